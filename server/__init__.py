@@ -1,0 +1,1 @@
+"""tokentrail server: FastAPI chat API, SQL storage, work queue, SSE token streams, worker hub."""

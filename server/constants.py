@@ -1,0 +1,15 @@
+"""Every Redis key prefix and stream name the server uses, in one place."""
+
+PREFIX = "tt:"
+# Work queue of one model: a stream with a consumer group (DESIGN D3).
+WORK_STREAM = PREFIX + "work:{model}"
+WORK_GROUP = "workers"
+# Enqueue / dequeue counters of one model, for queue positions.
+WORK_ENQ_COUNTER = PREFIX + "work:{model}:enq"
+WORK_DEQ_COUNTER = PREFIX + "work:{model}:deq"
+# Ticket (enqueue counter value) of one message, for its queue position.
+WORK_TICKET = PREFIX + "ticket:{message_id}"
+# Tokens of one message: a stream with explicit IDs 0-<end index> (DESIGN D4).
+TOKEN_STREAM = PREFIX + "tokens:{message_id}"
+# Models offered by connected workers: hash field per worker, refreshed by heartbeats.
+WORKER_DIRECTORY = PREFIX + "workers"

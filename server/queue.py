@@ -1,0 +1,76 @@
+"""Work queue and worker directory contracts, shared by the in-process and Redis backends.
+
+The database is the source of truth for messages; the queue only delivers ``(message_id, attempt)``
+to workers (DESIGN D3). A claimed item stays pending until ``ack``; items whose claimer died are
+handed out again by ``reclaim``; ``deliveries`` counts how often an item was handed out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class QueueFull(Exception):
+    """The model's queue holds ``max_queue_size`` items already."""
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    model: str
+    message_id: str
+    attempt: int
+    delivery_id: str  # backend-specific id of this queue entry (the stream entry id in Redis)
+    deliveries: int = 1
+
+
+@dataclass(frozen=True)
+class WorkerEntry:
+    """One connected worker, as published in the directory."""
+
+    worker_id: str
+    model_name: str
+    compat_hash: str
+    engine: str
+    max_context: int | None
+    capacity: int
+
+
+class WorkQueue(Protocol):
+    async def enqueue(self, model: str, message_id: str, attempt: int) -> None:
+        """Append an item; raise QueueFull when the model's queue is full."""
+        ...
+
+    async def claim(self, model: str, consumer: str, count: int, timeout_s: float) -> list[WorkItem]:
+        """Up to ``count`` new items for ``consumer``, waiting at most ``timeout_s`` for the first."""
+        ...
+
+    async def ack(self, item: WorkItem) -> None:
+        """The item is done with (stored, failed for good, or superseded by a new attempt)."""
+        ...
+
+    async def touch(self, items: list[WorkItem], consumer: str) -> None:
+        """Keep claimed items owned by a live consumer so that ``reclaim`` leaves them alone."""
+        ...
+
+    async def reclaim(self, model: str, consumer: str, min_idle_s: float, count: int) -> list[WorkItem]:
+        """Take over items claimed by consumers that have not touched them for ``min_idle_s``."""
+        ...
+
+    async def position(self, model: str, message_id: str) -> tuple[int, int]:
+        """``(queue_position, queue_size)`` of a queued message; ``(0, size)`` once dequeued."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class WorkerDirectory(Protocol):
+    async def register(self, entry: WorkerEntry, ttl_s: float) -> None:
+        """Publish or refresh a worker; it disappears ``ttl_s`` after its last refresh."""
+        ...
+
+    async def unregister(self, worker_id: str) -> None: ...
+
+    async def workers(self) -> list[WorkerEntry]: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,69 @@
+"""Token fan-out contract: one append-only stream of token batches per message (DESIGN D4).
+
+Positions are token indices: a batch covers ``[start, start + len(token_ids))``. Appending a
+batch that does not start exactly at the stream's current length is rejected, so a republished
+or out-of-order batch can never duplicate tokens. ``finish`` appends the terminal entry; readers
+stop after it. Streams of finished messages expire; finished messages are then served from SQL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+
+class StreamConflict(Exception):
+    """A batch does not start at the stream's current length, or the stream has finished."""
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    start: int
+    token_ids: list[int]
+    logprobs: list[float | None]
+    texts: list[str]
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class StreamDone:
+    status: Literal["complete", "error"]
+    error: str | None = None
+    code: str | None = None
+
+
+@dataclass(frozen=True)
+class StreamReset:
+    """Tokens from ``from_index`` on were discarded; a new attempt streams them again."""
+
+    from_index: int
+
+
+StreamEntry = TokenBatch | StreamDone | StreamReset
+
+
+class TokenStreams(Protocol):
+    async def append(self, message_id: str, batch: TokenBatch) -> None:
+        """Raise StreamConflict unless ``batch.start`` equals the current length."""
+        ...
+
+    async def finish(self, message_id: str, done: StreamDone) -> None:
+        """Append the terminal entry (idempotent) and schedule the stream's expiry."""
+        ...
+
+    async def length(self, message_id: str) -> int:
+        """Number of tokens appended so far (0 for a missing stream)."""
+        ...
+
+    async def read(self, message_id: str, after: int, timeout_s: float) -> list[StreamEntry]:
+        """Entries holding tokens with index > ``after`` (a batch straddling ``after`` is
+        returned whole; the reader skips what it has), plus the terminal entry once reached.
+        Waits up to ``timeout_s`` when there is nothing new; returns [] on timeout."""
+        ...
+
+    async def exists(self, message_id: str) -> bool: ...
+
+    async def close(self) -> None: ...

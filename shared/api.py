@@ -1,0 +1,155 @@
+"""HTTP request and response bodies of the chat API.
+
+Field names and shapes follow Open-Assistant's inference server so that its clients work
+unchanged; everything tokentrail adds is additive (new optional fields, new endpoints).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# Largest prompter message accepted, in characters (413 above it).
+MAX_CONTENT_CHARS = 64_000
+# Hard ceiling on generated tokens per message; workers also cap at their context length.
+MAX_NEW_TOKENS_LIMIT = 32_768
+
+
+class MessageState(StrEnum):
+    manual = "manual"  # a prompter message: written by a person, never generated
+    pending = "pending"  # queued, no worker yet
+    in_progress = "in_progress"  # a worker is generating it
+    complete = "complete"
+    aborted_by_worker = "aborted_by_worker"  # failed; see MessageRead.error
+    cancelled = "cancelled"
+    timeout = "timeout"
+
+
+FINISHED_STATES = frozenset(
+    {MessageState.complete, MessageState.aborted_by_worker, MessageState.cancelled, MessageState.timeout}
+)
+
+
+class SamplingParameters(BaseModel):
+    """OA's sampling parameters, validated, plus tokentrail's additive ones."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    top_k: Annotated[int, Field(ge=1, le=100_000)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    typical_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    max_new_tokens: Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS_LIMIT)] = 1024
+    # tokentrail additions
+    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] = Field(
+        default_factory=list
+    )
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] = 0
+
+
+class ModelConfigRead(BaseModel):
+    """A model offered by at least one connected worker (``GET /configs/model_configs``)."""
+
+    name: str
+    compat_hash: str
+    engine: str
+    max_context: int | None = None
+    workers: int = 1
+
+
+class WorkParameters(BaseModel):
+    model_config = ConfigDict(protected_namespaces=())
+
+    model_config_name: str
+    sampling_parameters: SamplingParameters = Field(default_factory=SamplingParameters)
+    do_sample: bool = True
+    seed: int
+    system_prompt: str | None = None
+
+
+class MessageRead(BaseModel):
+    id: str
+    parent_id: str | None
+    content: str | None
+    chat_id: str
+    created_at: datetime
+    role: Literal["prompter", "assistant"]
+    state: MessageState
+    score: int = 0
+    reports: list[object] = Field(default_factory=list)
+    work_parameters: WorkParameters | None = None
+    safe_content: str | None = None
+    safety_level: int | None = None
+    safety_label: str | None = None
+    safety_rots: str | None = None
+    used_plugin: object | None = None
+    # tokentrail additions
+    error: str | None = None
+    error_code: str | None = None
+    finish_reason: str | None = None
+    prompt_token_count: int | None = None
+    completion_token_count: int | None = None
+    # only with ?include=tokens
+    prompt_token_ids: list[int] | None = None
+    completion_token_ids: list[int] | None = None
+    logprobs: list[float | None] | None = None
+    stop_reason: int | str | None = None
+
+
+class CreateChatRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ChatListRead(BaseModel):
+    id: str
+    created_at: datetime
+    modified_at: datetime
+    title: str | None = None
+    hidden: bool = False
+    allow_data_use: bool = True
+    active_thread_tail_message_id: str | None = None
+
+
+class ChatRead(ChatListRead):
+    messages: list[MessageRead]
+
+
+class ListChatsResponse(BaseModel):
+    chats: list[ChatListRead]
+    next: str | None = None
+    prev: str | None = None
+
+
+class CreatePrompterMessageRequest(BaseModel):
+    parent_id: str | None = None
+    content: str = Field(..., repr=False)
+
+
+class CreateAssistantMessageRequest(BaseModel):
+    model_config = ConfigDict(protected_namespaces=())
+
+    parent_id: str
+    model_config_name: str
+    sampling_parameters: SamplingParameters = Field(default_factory=SamplingParameters)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_sampling_is_default(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("sampling_parameters") is None:
+            data = {k: v for k, v in data.items() if k != "sampling_parameters"}
+        return data
+
+
+class Token(BaseModel):
+    access_token: str
+    token_type: str
+
+
+class TokenPair(BaseModel):
+    access_token: Token
+    refresh_token: Token

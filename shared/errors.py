@@ -1,0 +1,72 @@
+"""Machine-readable error codes, the HTTP status each maps to, and the error body.
+
+Every error the server returns has the body ``{"detail": <human text>, "code": <ErrorCode>}``.
+Validation errors keep FastAPI's list of problems in ``detail`` and add ``code``.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel
+
+
+class ErrorCode(StrEnum):
+    # 400
+    bad_request = "bad_request"
+    not_assistant_message = "not_assistant_message"
+    # 401 / 403
+    not_authenticated = "not_authenticated"
+    invalid_credentials = "invalid_credentials"
+    debug_auth_disabled = "debug_auth_disabled"
+    forbidden = "forbidden"
+    # 404
+    chat_not_found = "chat_not_found"
+    message_not_found = "message_not_found"
+    # 409
+    parent_wrong_role = "parent_wrong_role"
+    parent_not_complete = "parent_not_complete"
+    parent_required = "parent_required"
+    # 413
+    content_too_long = "content_too_long"
+    # 422
+    validation_error = "validation_error"
+    unknown_model = "unknown_model"
+    # 503
+    queue_full = "queue_full"
+    not_ready = "not_ready"
+    # worker / generation
+    invalid_worker_key = "invalid_worker_key"
+    protocol_version_mismatch = "protocol_version_mismatch"
+    bad_frame = "bad_frame"
+    context_overflow = "context_overflow"
+    engine_error = "engine_error"
+    worker_lost = "worker_lost"
+    too_many_attempts = "too_many_attempts"
+    internal_error = "internal_error"
+
+
+HTTP_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.bad_request: 400,
+    ErrorCode.not_assistant_message: 400,
+    ErrorCode.not_authenticated: 401,
+    ErrorCode.invalid_credentials: 401,
+    ErrorCode.debug_auth_disabled: 403,
+    ErrorCode.forbidden: 403,
+    ErrorCode.chat_not_found: 404,
+    ErrorCode.message_not_found: 404,
+    ErrorCode.parent_wrong_role: 409,
+    ErrorCode.parent_not_complete: 409,
+    ErrorCode.parent_required: 422,
+    ErrorCode.content_too_long: 413,
+    ErrorCode.validation_error: 422,
+    ErrorCode.unknown_model: 422,
+    ErrorCode.queue_full: 503,
+    ErrorCode.not_ready: 503,
+    ErrorCode.context_overflow: 422,
+}
+
+
+class ErrorBody(BaseModel):
+    detail: str | list[object]
+    code: ErrorCode

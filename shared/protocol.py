@@ -1,0 +1,152 @@
+"""Frames of the worker websocket ``/workers/work`` (DESIGN D5).
+
+Every frame is a JSON object with a ``type`` discriminator. Flow control is by credits: the
+server sends a ``work`` frame only while the worker has credits left; each ``credit`` frame from
+the worker adds to them. ``attempt`` is a fencing token: frames of a stale attempt are dropped.
+
+Worker -> server: hello, credit, tokens, finished, failed, heartbeat.
+Server -> worker: welcome, work, cancel, heartbeat, error (fatal; the server closes after it).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field, TypeAdapter
+
+from shared.api import SamplingParameters
+
+PROTOCOL_VERSION = 1
+
+FinishReason = Literal["stop", "length", "abort"]
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+class HelloFrame(BaseModel):
+    type: Literal["hello"] = "hello"
+    protocol_version: int
+    model_name: str
+    engine: str
+    tokenizer_hash: str
+    template_hash: str
+    compat_hash: str
+    capacity: int = Field(ge=1, le=4096)
+    max_context: int | None = None
+    worker_version: str = ""
+
+
+class CreditFrame(BaseModel):
+    type: Literal["credit"] = "credit"
+    credits: int = Field(ge=1)
+
+
+class TokensFrame(BaseModel):
+    """One engine step's tokens for one message. ``start`` is the index of the first token."""
+
+    type: Literal["tokens"] = "tokens"
+    message_id: str
+    attempt: int
+    start: int = Field(ge=0)
+    token_ids: list[int]
+    logprobs: list[float | None]
+    texts: list[str]  # text delta contributed by each token ("" while a character is incomplete)
+
+
+class GenerationRecord(BaseModel):
+    """Everything stored with a finished assistant message (DESIGN section 5)."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float | None]
+    text_offsets: list[int]  # end offset in ``content`` of each completion token's text
+    content: str
+    finish_reason: FinishReason
+    stop_reason: int | str | None = None
+    engine: str
+    tokenizer_hash: str
+    template_hash: str
+    prior_message_id: str | None = None  # the assistant ancestor whose tokens were reused
+    reused_prefix_len: int = 0
+    synthetic_token_count: int = 0
+    fork: bool = False
+    num_cached_tokens: int | None = None
+    resumed_at: list[int] = Field(default_factory=list)  # completion indices where a retry resumed
+
+
+class FinishedFrame(BaseModel):
+    type: Literal["finished"] = "finished"
+    message_id: str
+    attempt: int
+    record: GenerationRecord
+
+
+class FailedFrame(BaseModel):
+    type: Literal["failed"] = "failed"
+    message_id: str
+    attempt: int
+    code: str
+    message: str
+    retryable: bool = False
+
+
+class HeartbeatFrame(BaseModel):
+    type: Literal["heartbeat"] = "heartbeat"
+
+
+class WelcomeFrame(BaseModel):
+    type: Literal["welcome"] = "welcome"
+    worker_id: str
+    heartbeat_interval_s: float
+
+
+class WorkMessage(BaseModel):
+    """One message on the path root -> parent, as the worker renders it."""
+
+    id: str
+    role: Role
+    content: str
+
+
+class ResumeState(BaseModel):
+    """Tokens already streamed by an earlier attempt; generation continues after them."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float | None]
+    texts: list[str]
+
+
+class WorkFrame(BaseModel):
+    type: Literal["work"] = "work"
+    message_id: str
+    attempt: int
+    chat_id: str
+    model_name: str
+    messages: list[WorkMessage]
+    sampling: SamplingParameters
+    seed: int
+    resume: ResumeState | None = None
+
+
+class CancelFrame(BaseModel):
+    type: Literal["cancel"] = "cancel"
+    message_id: str
+    attempt: int
+
+
+class ErrorFrame(BaseModel):
+    type: Literal["error"] = "error"
+    code: str
+    message: str
+
+
+WorkerFrame = Annotated[
+    HelloFrame | CreditFrame | TokensFrame | FinishedFrame | FailedFrame | HeartbeatFrame,
+    Field(discriminator="type"),
+]
+ServerFrame = Annotated[
+    WelcomeFrame | WorkFrame | CancelFrame | HeartbeatFrame | ErrorFrame, Field(discriminator="type")
+]
+
+worker_frame_adapter: TypeAdapter[WorkerFrame] = TypeAdapter(WorkerFrame)
+server_frame_adapter: TypeAdapter[ServerFrame] = TypeAdapter(ServerFrame)

@@ -1,0 +1,71 @@
+"""The engine contract (DESIGN D6): token IDs in, streamed token steps out.
+
+An engine never sees text or chat templates. ``generate`` yields one ``TokenStep`` per engine step
+(usually one token, possibly several); the first step reports the prompt IDs the engine actually
+consumed so that the caller can check them against what it sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_new_tokens: int
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int | None = None
+    top_p: float | None = None
+    typical_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    top_logprobs: int = 0  # also return this many most likely tokens per position
+
+
+@dataclass
+class TokenStep:
+    token_ids: list[int]
+    # logprob of each sampled token under the distribution actually sampled from (DESIGN D7)
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: FinishReason | None = None  # set on the last step only
+    stop_reason: int | None = None  # the stop token id that ended generation, if any
+    prompt_token_ids: list[int] | None = None  # set on the first step only
+    num_cached_tokens: int | None = None  # prompt tokens served from a prefix cache, if known
+
+
+@dataclass
+class EngineInfo:
+    name: str  # "hf" or "vllm"
+    max_context: int
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+class EngineError(Exception):
+    """Generation failed for a reason the caller should report (code is an ErrorCode value)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Engine(Protocol):
+    info: EngineInfo
+
+    async def start(self) -> None: ...
+
+    def generate(self, request_id: str, prompt_ids: list[int], params: GenerationParams) -> AsyncIterator[TokenStep]:
+        """Stream steps until a stop token, ``max_new_tokens`` or ``abort``; the last step has
+        ``finish_reason``. A stop token is included in ``token_ids`` of the step that ends."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a running request within one step; its stream ends with finish_reason 'abort'."""
+        ...
+
+    async def close(self) -> None: ...

@@ -108,9 +108,12 @@ class WorkMessage(BaseModel):
 
 
 class ResumeState(BaseModel):
-    """Tokens already streamed by an earlier attempt; generation continues after them."""
+    """Tokens already streamed by an earlier attempt; generation continues after them.
 
-    prompt_ids: list[int]
+    Only a worker with the same ``compat_hash`` (tokenizer and template) may continue them.
+    """
+
+    compat_hash: str
     token_ids: list[int]
     logprobs: list[float | None]
     texts: list[str]

@@ -1,0 +1,1 @@
+"""The ``tokentrail`` command line and the process launcher for ``up`` and ``demo``."""

@@ -1,0 +1,118 @@
+"""The app factory: ``create_app(settings)``; its lifespan owns the DB engine, Redis, queue, hub."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, FastAPI, WebSocket
+from fastapi.responses import JSONResponse
+
+from server import migrate
+from server.auth import TokenSigner
+from server.auth_routes import router as auth_router
+from server.chat_routes import configs_router
+from server.chat_routes import router as chats_router
+from server.db import create_engine, create_session_factory, ping
+from server.deps import StateDep
+from server.queue import WorkerDirectory, WorkQueue
+from server.settings import ServerSettings
+from server.state import AppState
+from server.token_stream import TokenStreams
+from server.worker_hub import WorkerHub
+from shared.errors import ErrorCode
+
+log = logging.getLogger(__name__)
+
+health_router = APIRouter(tags=["health"])
+
+
+@health_router.get("/health")
+async def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@health_router.get("/ready")
+async def ready(state: StateDep) -> JSONResponse:
+    checks: dict[str, str] = {}
+    try:
+        await asyncio.wait_for(ping(state.engine), timeout=5)
+        checks["database"] = "ok"
+    except Exception as exc:
+        checks["database"] = f"error: {exc}"
+    if state.redis is not None:
+        try:
+            await asyncio.wait_for(state.redis.ping(), timeout=5)
+            checks["redis"] = "ok"
+        except Exception as exc:
+            checks["redis"] = f"error: {exc}"
+    ok = all(v == "ok" for v in checks.values())
+    body: dict[str, object] = {"status": "ok" if ok else "unavailable", "checks": checks}
+    if not ok:
+        body["code"] = ErrorCode.not_ready.value
+    return JSONResponse(body, status_code=200 if ok else 503)
+
+
+def create_app(settings: ServerSettings) -> FastAPI:
+    from server.errors import install_error_handlers
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        url = settings.effective_database_url
+        if settings.should_migrate_on_start:
+            await asyncio.to_thread(migrate.upgrade, url)
+        engine = create_engine(url)
+        sessions = create_session_factory(engine)
+        redis = None
+        queue: WorkQueue
+        directory: WorkerDirectory
+        streams: TokenStreams
+        if settings.redis_url:
+            from redis.asyncio import Redis
+
+            from server.queue_redis import RedisWorkerDirectory, RedisWorkQueue
+            from server.token_stream_redis import RedisTokenStreams
+
+            redis = Redis.from_url(settings.redis_url, max_connections=settings.redis_pool_size)
+            queue = RedisWorkQueue(redis, max_queue_size=settings.max_queue_size)
+            directory = RedisWorkerDirectory(redis)
+            streams = RedisTokenStreams(redis, expire_after_s=settings.token_stream_expire_s)
+        else:
+            from server.queue_memory import MemoryWorkerDirectory, MemoryWorkQueue
+            from server.token_stream_memory import MemoryTokenStreams
+
+            queue = MemoryWorkQueue(max_queue_size=settings.max_queue_size)
+            directory = MemoryWorkerDirectory()
+            streams = MemoryTokenStreams(expire_after_s=settings.token_stream_expire_s)
+        signer = TokenSigner(
+            settings.resolved_auth_secret(), settings.access_token_minutes, settings.refresh_token_days
+        )
+        hub = WorkerHub(settings, sessions, queue, directory, streams)
+        app.state.tt = AppState(settings, engine, sessions, queue, directory, streams, signer, hub, redis)
+        hub.start()
+        try:
+            yield
+        finally:
+            await hub.stop()
+            await streams.close()
+            await directory.close()
+            await queue.close()
+            if redis is not None:
+                await redis.aclose()
+            await engine.dispose()
+
+    app = FastAPI(title="tokentrail", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app)
+    app.include_router(health_router)
+    app.include_router(auth_router)
+    app.include_router(configs_router)
+    app.include_router(chats_router)
+
+    @app.websocket("/workers/work")
+    async def worker_socket(ws: WebSocket) -> None:
+        state: AppState = ws.app.state.tt
+        await state.hub.serve(ws)
+
+    return app

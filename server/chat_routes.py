@@ -1,0 +1,159 @@
+"""``/chats``: Open-Assistant's chat API (chats, prompter and assistant messages, events)."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Request
+from pydantic import BaseModel, Field
+from sse_starlette import EventSourceResponse
+
+from server.deps import RepoDep, StateDep
+from server.errors import ApiError
+from server.queue import QueueFull
+from server.repository import chat_to_list_read, message_to_read
+from server.sse import message_events
+from shared.api import (
+    MAX_CONTENT_CHARS,
+    ChatListRead,
+    ChatRead,
+    CreateAssistantMessageRequest,
+    CreateChatRequest,
+    CreatePrompterMessageRequest,
+    ListChatsResponse,
+    MessageRead,
+    ModelConfigRead,
+)
+from shared.errors import ErrorCode
+
+router = APIRouter(prefix="/chats", tags=["chats"])
+configs_router = APIRouter(prefix="/configs", tags=["configs"])
+
+
+async def offered_models(state: StateDep) -> dict[str, ModelConfigRead]:
+    models: dict[str, ModelConfigRead] = {}
+    for w in await state.directory.workers():
+        if w.model_name in models:
+            models[w.model_name].workers += 1
+        else:
+            models[w.model_name] = ModelConfigRead(
+                name=w.model_name, compat_hash=w.compat_hash, engine=w.engine, max_context=w.max_context
+            )
+    return models
+
+
+@configs_router.get("/model_configs")
+async def model_configs(state: StateDep) -> list[ModelConfigRead]:
+    return sorted((await offered_models(state)).values(), key=lambda m: m.name)
+
+
+@router.get("")
+async def list_chats(
+    repo: RepoDep,
+    limit: Annotated[int, Query(gt=0, le=100)] = 10,
+    after: str | None = None,
+    before: str | None = None,
+    include_hidden: bool = False,
+) -> ListChatsResponse:
+    chats, next_cursor, prev_cursor = await repo.list_chats(
+        limit=limit, after=after, before=before, include_hidden=include_hidden
+    )
+    return ListChatsResponse(chats=[chat_to_list_read(c) for c in chats], next=next_cursor, prev=prev_cursor)
+
+
+@router.post("")
+async def create_chat(repo: RepoDep, _request: CreateChatRequest | None = None) -> ChatListRead:
+    return chat_to_list_read(await repo.create_chat())
+
+
+@router.get("/{chat_id}")
+async def get_chat(chat_id: str, repo: RepoDep) -> ChatRead:
+    return await repo.chat_read(chat_id)
+
+
+class ChatUpdateRequest(BaseModel):
+    title: Annotated[str, Field(max_length=256)] | None = None
+    hidden: bool | None = None
+    allow_data_use: bool | None = None
+
+
+@router.put("/{chat_id}")
+async def update_chat(chat_id: str, body: ChatUpdateRequest, repo: RepoDep) -> ChatListRead:
+    fields = body.model_dump(exclude_none=True)
+    return chat_to_list_read(await repo.update_chat(chat_id, fields))
+
+
+@router.post("/{chat_id}/prompter_message")
+async def create_prompter_message(
+    chat_id: str, body: CreatePrompterMessageRequest, repo: RepoDep
+) -> MessageRead:
+    if len(body.content) > MAX_CONTENT_CHARS:
+        raise ApiError(
+            ErrorCode.content_too_long,
+            f"content has {len(body.content)} characters; the limit is {MAX_CONTENT_CHARS}",
+        )
+    return message_to_read(await repo.add_prompter_message(chat_id, body.parent_id, body.content))
+
+
+@router.post("/{chat_id}/assistant_message")
+async def create_assistant_message(
+    chat_id: str, body: CreateAssistantMessageRequest, repo: RepoDep, state: StateDep
+) -> MessageRead:
+    await repo.get_chat(chat_id)  # 404 before 422 for an unknown chat
+    if body.model_config_name not in await offered_models(state):
+        raise ApiError(
+            ErrorCode.unknown_model,
+            f"no connected worker offers model {body.model_config_name!r}; see GET /configs/model_configs",
+        )
+    sampling = body.sampling_parameters
+    seed = sampling.seed if sampling.seed is not None else secrets.randbelow(2**63)
+    msg = await repo.add_assistant_message(chat_id, body.parent_id, body.model_config_name, sampling, seed)
+    try:
+        await state.queue.enqueue(body.model_config_name, msg.id, msg.attempt)
+    except QueueFull as exc:
+        await repo.fail_message(msg, ErrorCode.queue_full, "the queue was full")
+        raise ApiError(
+            ErrorCode.queue_full, "the server is busy; try again later", headers={"Retry-After": "5"}
+        ) from exc
+    return message_to_read(msg)
+
+
+@router.get("/{chat_id}/messages/{message_id}")
+async def get_message(
+    chat_id: str, message_id: str, repo: RepoDep, include: Annotated[str | None, Query()] = None
+) -> MessageRead:
+    msg = await repo.get_message(chat_id, message_id)
+    includes = {part.strip() for part in (include or "").split(",") if part.strip()}
+    unknown = includes - {"tokens"}
+    if unknown:
+        raise ApiError(ErrorCode.bad_request, f"unknown include {sorted(unknown)}; allowed: tokens")
+    tokens = await repo.get_tokens(msg.id) if "tokens" in includes else None
+    read = message_to_read(msg, tokens)
+    if "tokens" in includes and tokens is None:
+        read.prompt_token_ids, read.completion_token_ids, read.logprobs = [], [], []
+    return read
+
+
+@router.get("/{chat_id}/messages/{message_id}/events")
+async def message_events_route(
+    chat_id: str,
+    message_id: str,
+    request: Request,
+    repo: RepoDep,
+    state: StateDep,
+    last_event_id: Annotated[str | None, Header()] = None,
+) -> EventSourceResponse:
+    msg = await repo.get_message(chat_id, message_id)
+    if msg.role != "assistant":
+        raise ApiError(ErrorCode.not_assistant_message, "only assistant messages have events")
+    after = -1
+    raw = last_event_id or request.query_params.get("last_event_id")
+    if raw:
+        try:
+            after = int(raw)
+        except ValueError as exc:
+            raise ApiError(ErrorCode.bad_request, "Last-Event-ID must be a token index") from exc
+    # Release the request's DB connection: the stream may last minutes and uses its own sessions.
+    await repo.session.close()
+    return EventSourceResponse(message_events(state, msg, after), ping=15)

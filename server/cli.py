@@ -1,0 +1,132 @@
+"""Server subcommands: ``serve``, ``db upgrade``, ``admin create-user``, ``admin create-worker-key``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Annotated, TypeVar
+
+import typer
+
+from server.settings import ServerSettings
+
+T = TypeVar("T")
+
+db_app = typer.Typer(help="Database schema.", no_args_is_help=True)
+admin_app = typer.Typer(help="Users and keys.", no_args_is_help=True)
+
+DatabaseUrl = Annotated[
+    str | None,
+    typer.Option(
+        help="SQLAlchemy async URL (default: SQLite file in the data dir). Env: TOKENTRAIL_DATABASE_URL"
+    ),
+]
+DataDir = Annotated[
+    Path | None, typer.Option(help="Where the embedded database lives. Env: TOKENTRAIL_DATA_DIR")
+]
+
+
+def _settings(**overrides: object) -> ServerSettings:
+    return ServerSettings(**{k: v for k, v in overrides.items() if v is not None})  # type: ignore[arg-type]
+
+
+def serve(
+    host: Annotated[str | None, typer.Option(help="Bind address. Env: TOKENTRAIL_HOST")] = None,
+    port: Annotated[int | None, typer.Option(help="Port. Env: TOKENTRAIL_PORT")] = None,
+    database_url: DatabaseUrl = None,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(
+            help="Redis URL: Redis Streams queue, token fan-out. Env: TOKENTRAIL_REDIS_URL"
+        ),
+    ] = None,
+    data_dir: DataDir = None,
+    allow_debug_auth: Annotated[
+        bool | None,
+        typer.Option("--allow-debug-auth/--no-debug-auth", help="Default: on without Redis only."),
+    ] = None,
+    auth_secret: Annotated[
+        str | None,
+        typer.Option(help="Token signing secret (required with Redis). Env: TOKENTRAIL_AUTH_SECRET"),
+    ] = None,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning")] = "info",
+) -> None:
+    """Run the chat server."""
+    import uvicorn
+
+    from server.app import create_app
+
+    settings = _settings(
+        host=host,
+        port=port,
+        database_url=database_url,
+        redis_url=redis_url,
+        data_dir=data_dir,
+        allow_debug_auth=allow_debug_auth,
+        auth_secret=auth_secret,
+    )
+    try:
+        settings.resolved_auth_secret()
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=log_level)
+
+
+def _run(fn: Callable[[], Awaitable[T]]) -> T:
+    return asyncio.run(fn())  # type: ignore[arg-type]
+
+
+@db_app.command("upgrade")
+def db_upgrade(database_url: DatabaseUrl = None, data_dir: DataDir = None) -> None:
+    """Apply all migrations."""
+    from server import migrate
+
+    settings = _settings(database_url=database_url, data_dir=data_dir)
+    migrate.upgrade(settings.effective_database_url)
+    typer.echo(f"database at head: {settings.effective_database_url}")
+
+
+@admin_app.command("create-user")
+def create_user(
+    name: str,
+    admin: Annotated[bool, typer.Option(help="Give the user the admin role.")] = False,
+    database_url: DatabaseUrl = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Create a user and print a new API key for it (shown once; stored hashed)."""
+    from server import admin as ops
+
+    settings = _settings(database_url=database_url, data_dir=data_dir)
+
+    async def go() -> str:
+        engine, sessions = await ops.open_database(settings)
+        try:
+            return await ops.create_user(sessions, name, admin=admin)
+        finally:
+            await engine.dispose()
+
+    typer.echo(_run(go))
+
+
+@admin_app.command("create-worker-key")
+def create_worker_key(
+    name: Annotated[str, typer.Option(help="A label for the key.")] = "worker",
+    database_url: DatabaseUrl = None,
+    data_dir: DataDir = None,
+) -> None:
+    """Print a new worker key (shown once; stored hashed)."""
+    from server import admin as ops
+
+    settings = _settings(database_url=database_url, data_dir=data_dir)
+
+    async def go() -> str:
+        engine, sessions = await ops.open_database(settings)
+        try:
+            return await ops.create_worker_key(sessions, name)
+        finally:
+            await engine.dispose()
+
+    typer.echo(_run(go))

@@ -1,0 +1,42 @@
+"""Database engine and sessions (DESIGN D2): SQLite with WAL by default, PostgreSQL in production."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import event, text
+from sqlalchemy.engine.url import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+
+SessionFactory = async_sessionmaker[AsyncSession]
+
+
+def create_engine(url: str) -> AsyncEngine:
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database and parsed.database != ":memory:":
+            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_async_engine(url, connect_args={"timeout": 30})
+
+        @event.listens_for(engine.sync_engine, "connect")
+        def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+            # WAL lets SSE readers run while a worker's record is written; FKs are off by default.
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.close()
+
+        return engine
+    return create_async_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+
+
+def create_session_factory(engine: AsyncEngine) -> SessionFactory:
+    return async_sessionmaker(engine, expire_on_commit=False)
+
+
+async def ping(engine: AsyncEngine) -> None:
+    async with engine.connect() as conn:
+        await conn.execute(text("SELECT 1"))

@@ -1,0 +1,85 @@
+"""FastAPI dependencies as ``Annotated`` aliases: app state, DB session, current user, repository."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import Depends, Request
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from server.auth import USER_KEY_PREFIX, hash_key
+from server.errors import ApiError
+from server.models import ApiKey, User
+from server.repository import ChatRepository
+from server.state import AppState
+from shared.errors import ErrorCode
+
+
+def get_state(request: Request) -> AppState:
+    state: AppState = request.app.state.tt
+    return state
+
+
+StateDep = Annotated[AppState, Depends(get_state)]
+
+
+async def get_session(state: StateDep) -> AsyncIterator[AsyncSession]:
+    async with state.sessions() as session:
+        yield session
+
+
+SessionDep = Annotated[AsyncSession, Depends(get_session)]
+
+
+def bearer_token(request: Request) -> str:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise ApiError(
+            ErrorCode.not_authenticated,
+            "missing credentials: send 'Authorization: Bearer <token or API key>'",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    return token.strip()
+
+
+async def user_for_token(token: str, state: AppState, session: AsyncSession) -> User:
+    if token.startswith(USER_KEY_PREFIX):
+        user = await session.scalar(
+            select(User)
+            .join(ApiKey, ApiKey.user_id == User.id)
+            .where(ApiKey.key_hash == hash_key(token), ApiKey.revoked_at.is_(None))
+        )
+        if user is None:
+            raise ApiError(ErrorCode.invalid_credentials, "unknown or revoked API key")
+        return user
+    user_id = state.signer.verify(token, "access")
+    user = await session.get(User, user_id)
+    if user is None:
+        raise ApiError(ErrorCode.invalid_credentials, "the token's user no longer exists")
+    return user
+
+
+async def get_current_user(request: Request, state: StateDep, session: SessionDep) -> User:
+    return await user_for_token(bearer_token(request), state, session)
+
+
+CurrentUser = Annotated[User, Depends(get_current_user)]
+
+
+async def get_admin(user: CurrentUser) -> User:
+    if not user.is_admin:
+        raise ApiError(ErrorCode.forbidden, "administrator role required")
+    return user
+
+
+AdminUser = Annotated[User, Depends(get_admin)]
+
+
+def get_repository(session: SessionDep, user: CurrentUser) -> ChatRepository:
+    return ChatRepository(session, user)
+
+
+RepoDep = Annotated[ChatRepository, Depends(get_repository)]

@@ -1,0 +1,141 @@
+"""SQLAlchemy tables: users and keys, chats, the message tree, and per-message token records.
+
+Token IDs and logprobs live in ``message_tokens`` as packed little-endian blobs, one row per
+assistant message, written once when the message finishes (DESIGN D1). Keeping them out of
+``messages`` keeps chat listings and tree reads free of large blobs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def new_id() -> str:
+    """A UUIDv7-style id: time-ordered, so ids sort by creation (used by cursor pagination)."""
+    ms = int(time.time() * 1000)
+    rand = int.from_bytes(os.urandom(10), "big")
+    value = (ms & ((1 << 48) - 1)) << 80 | (0x7 << 76) | (rand & ((1 << 76) - 1))
+    value = (value & ~(0x3 << 62)) | (0x2 << 62)  # RFC 4122 variant bits
+    return str(uuid.UUID(int=value))
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {datetime: DateTime(timezone=True), dict[str, Any]: JSON}
+
+
+class User(Base):
+    __tablename__ = "users"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    display_name: Mapped[str] = mapped_column(String(256))
+    provider: Mapped[str] = mapped_column(String(32))  # "debug" | "apikey"
+    is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ApiKey(Base):
+    """A user's API key; only its SHA-256 is stored."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
+    user_id: Mapped[str] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class WorkerKey(Base):
+    """A key that lets a worker connect to ``/workers/work``; only its SHA-256 is stored."""
+
+    __tablename__ = "worker_keys"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(String(128))
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class Chat(Base):
+    __tablename__ = "chats"
+    __table_args__ = (Index("ix_chats_user_id_id", "user_id", "id"),)
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
+    user_id: Mapped[str] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    modified_at: Mapped[datetime] = mapped_column(default=utcnow)
+    title: Mapped[str | None] = mapped_column(String(256), default=None)
+    hidden: Mapped[bool] = mapped_column(Boolean, default=False)
+    allow_data_use: Mapped[bool] = mapped_column(Boolean, default=True)
+    active_thread_tail_message_id: Mapped[str | None] = mapped_column(String(36), default=None)
+
+
+class Message(Base):
+    __tablename__ = "messages"
+    __table_args__ = (Index("ix_messages_chat_id_id", "chat_id", "id"),)
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
+    chat_id: Mapped[str] = mapped_column(ForeignKey("chats.id", ondelete="CASCADE"))
+    parent_id: Mapped[str | None] = mapped_column(ForeignKey("messages.id"), default=None, index=True)
+    role: Mapped[str] = mapped_column(String(16))  # "prompter" | "assistant"
+    content: Mapped[str | None] = mapped_column(Text, default=None)
+    state: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    modified_at: Mapped[datetime] = mapped_column(default=utcnow)
+    score: Mapped[int] = mapped_column(Integer, default=0)
+    # assistant messages only
+    model_config_name: Mapped[str | None] = mapped_column(String(256), default=None)
+    work_parameters: Mapped[dict[str, Any] | None] = mapped_column(default=None)
+    attempt: Mapped[int] = mapped_column(Integer, default=0)  # fencing token, bumped per (re)delivery
+    worker_id: Mapped[str | None] = mapped_column(String(64), default=None)
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+    error_code: Mapped[str | None] = mapped_column(String(64), default=None)
+    finish_reason: Mapped[str | None] = mapped_column(String(16), default=None)
+    prompt_token_count: Mapped[int | None] = mapped_column(Integer, default=None)
+    completion_token_count: Mapped[int | None] = mapped_column(Integer, default=None)
+
+
+class MessageTokens(Base):
+    """The exact tokens of one finished assistant message (DESIGN section 5)."""
+
+    __tablename__ = "message_tokens"
+
+    message_id: Mapped[str] = mapped_column(ForeignKey("messages.id", ondelete="CASCADE"), primary_key=True)
+    prompt_ids: Mapped[bytes] = mapped_column(LargeBinary)
+    completion_ids: Mapped[bytes] = mapped_column(LargeBinary)
+    logprobs: Mapped[bytes] = mapped_column(LargeBinary)
+    text_offsets: Mapped[bytes] = mapped_column(LargeBinary)
+    finish_reason: Mapped[str] = mapped_column(String(16))
+    stop_reason: Mapped[str | None] = mapped_column(String(256), default=None)
+    engine: Mapped[str] = mapped_column(String(32))
+    tokenizer_hash: Mapped[str] = mapped_column(String(64))
+    template_hash: Mapped[str] = mapped_column(String(64))
+    prior_message_id: Mapped[str | None] = mapped_column(String(36), default=None)
+    reused_prefix_len: Mapped[int] = mapped_column(Integer, default=0)
+    synthetic_token_count: Mapped[int] = mapped_column(Integer, default=0)
+    fork: Mapped[bool] = mapped_column(Boolean, default=False)
+    num_cached_tokens: Mapped[int | None] = mapped_column(Integer, default=None)
+    resumed_at: Mapped[bytes] = mapped_column(LargeBinary, default=b"")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -1,0 +1,215 @@
+"""User-scoped reads and writes of chats and their message trees.
+
+Every query filters by the owner, so another user's chat is indistinguishable from a missing one
+(404). Tree rules: a prompter message hangs off an assistant message that completed (or is a
+root); an assistant message hangs off a prompter message. Siblings are branches.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from server.errors import ApiError
+from server.models import Chat, Message, MessageTokens, User, new_id, utcnow
+from shared.api import (
+    ChatListRead,
+    ChatRead,
+    MessageRead,
+    MessageState,
+    SamplingParameters,
+    WorkParameters,
+)
+from shared.errors import ErrorCode
+from shared.packing import unpack_floats, unpack_ids
+
+
+def encode_cursor(chat_id: str) -> str:
+    return base64.urlsafe_b64encode(chat_id.encode()).decode()
+
+
+def decode_cursor(cursor: str | None) -> str | None:
+    if cursor is None:
+        return None
+    try:
+        return base64.urlsafe_b64decode(cursor.encode()).decode()
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(ErrorCode.bad_request, "invalid pagination cursor") from exc
+
+
+def message_to_read(msg: Message, tokens: MessageTokens | None = None) -> MessageRead:
+    work = WorkParameters.model_validate(msg.work_parameters) if msg.work_parameters else None
+    read = MessageRead(
+        id=msg.id,
+        parent_id=msg.parent_id,
+        content=msg.content,
+        chat_id=msg.chat_id,
+        created_at=msg.created_at,
+        role="assistant" if msg.role == "assistant" else "prompter",
+        state=MessageState(msg.state),
+        score=msg.score,
+        work_parameters=work,
+        error=msg.error,
+        error_code=msg.error_code,
+        finish_reason=msg.finish_reason,
+        prompt_token_count=msg.prompt_token_count,
+        completion_token_count=msg.completion_token_count,
+    )
+    if tokens is not None:
+        read.prompt_token_ids = unpack_ids(tokens.prompt_ids)
+        read.completion_token_ids = unpack_ids(tokens.completion_ids)
+        read.logprobs = [None if lp != lp else lp for lp in unpack_floats(tokens.logprobs)]
+        read.stop_reason = decode_stop_reason(tokens.stop_reason)
+    return read
+
+
+def encode_stop_reason(value: int | str | None) -> str | None:
+    if value is None:
+        return None
+    return f"i:{value}" if isinstance(value, int) else f"s:{value}"
+
+
+def decode_stop_reason(value: str | None) -> int | str | None:
+    if value is None:
+        return None
+    kind, _, rest = value.partition(":")
+    return int(rest) if kind == "i" else rest
+
+
+def chat_to_list_read(chat: Chat) -> ChatListRead:
+    return ChatListRead(
+        id=chat.id,
+        created_at=chat.created_at,
+        modified_at=chat.modified_at,
+        title=chat.title,
+        hidden=chat.hidden,
+        allow_data_use=chat.allow_data_use,
+        active_thread_tail_message_id=chat.active_thread_tail_message_id,
+    )
+
+
+class ChatRepository:
+    def __init__(self, session: AsyncSession, user: User) -> None:
+        self.session = session
+        self.user = user
+
+    async def create_chat(self) -> Chat:
+        chat = Chat(user_id=self.user.id)
+        self.session.add(chat)
+        await self.session.commit()
+        return chat
+
+    async def list_chats(
+        self, *, limit: int, after: str | None, before: str | None, include_hidden: bool
+    ) -> tuple[list[Chat], str | None, str | None]:
+        """Newest first. ``after``/``before`` are cursors from an earlier page's next/prev."""
+        after_id, before_id = decode_cursor(after), decode_cursor(before)
+        q = select(Chat).where(Chat.user_id == self.user.id)
+        if not include_hidden:
+            q = q.where(Chat.hidden.is_(False))
+        if before_id is not None:  # the page before: newer chats, fetched oldest-first
+            q = q.where(Chat.id > before_id).order_by(Chat.id.asc())
+        else:
+            if after_id is not None:
+                q = q.where(Chat.id < after_id)
+            q = q.order_by(Chat.id.desc())
+        rows = list((await self.session.scalars(q.limit(limit + 1))).all())
+        more = len(rows) > limit
+        rows = rows[:limit]
+        if before_id is not None:
+            rows.reverse()
+        next_cursor = encode_cursor(rows[-1].id) if rows and (more or before_id is not None) else None
+        prev_cursor = (
+            encode_cursor(rows[0].id) if rows and (after_id is not None or (before_id and more)) else None
+        )
+        return rows, next_cursor, prev_cursor
+
+    async def get_chat(self, chat_id: str) -> Chat:
+        chat = await self.session.scalar(select(Chat).where(Chat.id == chat_id, Chat.user_id == self.user.id))
+        if chat is None:
+            raise ApiError(ErrorCode.chat_not_found, f"chat {chat_id} not found")
+        return chat
+
+    async def chat_read(self, chat_id: str) -> ChatRead:
+        chat = await self.get_chat(chat_id)
+        msgs = (
+            await self.session.scalars(select(Message).where(Message.chat_id == chat.id).order_by(Message.id))
+        ).all()
+        return ChatRead(**chat_to_list_read(chat).model_dump(), messages=[message_to_read(m) for m in msgs])
+
+    async def get_message(self, chat_id: str, message_id: str) -> Message:
+        await self.get_chat(chat_id)
+        msg = await self.session.scalar(
+            select(Message).where(Message.id == message_id, Message.chat_id == chat_id)
+        )
+        if msg is None:
+            raise ApiError(ErrorCode.message_not_found, f"message {message_id} not found in chat {chat_id}")
+        return msg
+
+    async def get_tokens(self, message_id: str) -> MessageTokens | None:
+        return await self.session.get(MessageTokens, message_id)
+
+    async def add_prompter_message(self, chat_id: str, parent_id: str | None, content: str) -> Message:
+        chat = await self.get_chat(chat_id)
+        if parent_id is not None:
+            parent = await self.get_message(chat_id, parent_id)
+            if parent.role != "assistant":
+                raise ApiError(
+                    ErrorCode.parent_wrong_role, "a prompter message must follow an assistant message"
+                )
+            if parent.state != MessageState.complete:
+                raise ApiError(
+                    ErrorCode.parent_not_complete, f"parent message is {parent.state}, not complete"
+                )
+        msg = Message(
+            chat_id=chat.id, parent_id=parent_id, role="prompter", content=content, state=MessageState.manual
+        )
+        self._touch(chat, msg)
+        self.session.add(msg)
+        await self.session.commit()
+        return msg
+
+    async def add_assistant_message(
+        self, chat_id: str, parent_id: str, model_config_name: str, sampling: SamplingParameters, seed: int
+    ) -> Message:
+        chat = await self.get_chat(chat_id)
+        parent = await self.get_message(chat_id, parent_id)
+        if parent.role != "prompter":
+            raise ApiError(ErrorCode.parent_wrong_role, "an assistant message must follow a prompter message")
+        work = WorkParameters(model_config_name=model_config_name, sampling_parameters=sampling, seed=seed)
+        msg = Message(
+            chat_id=chat.id,
+            parent_id=parent.id,
+            role="assistant",
+            state=MessageState.pending,
+            model_config_name=model_config_name,
+            work_parameters=work.model_dump(mode="json"),
+            attempt=1,
+        )
+        self._touch(chat, msg)
+        self.session.add(msg)
+        await self.session.commit()
+        return msg
+
+    async def fail_message(self, msg: Message, code: ErrorCode, error: str) -> None:
+        msg.state = MessageState.aborted_by_worker
+        msg.error, msg.error_code = error, code.value
+        msg.modified_at = utcnow()
+        await self.session.commit()
+
+    def _touch(self, chat: Chat, msg: Message) -> None:
+        if msg.id is None:
+            msg.id = new_id()
+        chat.modified_at = utcnow()
+        chat.active_thread_tail_message_id = msg.id
+
+    async def update_chat(self, chat_id: str, fields: dict[str, Any]) -> Chat:
+        chat = await self.get_chat(chat_id)
+        for key, value in fields.items():
+            setattr(chat, key, value)
+        chat.modified_at = utcnow()
+        await self.session.commit()
+        return chat

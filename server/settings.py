@@ -1,0 +1,90 @@
+"""Server settings: one object per process, from flags or ``TOKENTRAIL_*`` variables (DESIGN D11)."""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+PLACEHOLDER_SECRETS = frozenset({"", "changeme", "change-me", "secret", "placeholder"})
+
+
+def default_data_dir() -> Path:
+    return Path.home() / ".local" / "share" / "tokentrail"
+
+
+class ServerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TOKENTRAIL_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    data_dir: Path = Field(default_factory=default_data_dir)
+    # None: a SQLite file in data_dir (the embedded default).
+    database_url: str | None = None
+    # None: in-process queue and token fan-out (one server process).
+    redis_url: str | None = None
+    # None: on in embedded mode (no Redis), off otherwise.
+    allow_debug_auth: bool | None = None
+    # Signs access tokens. Required (and no placeholder) with Redis; embedded mode keeps one in data_dir.
+    auth_secret: str | None = None
+    access_token_minutes: int = 60 * 24
+    refresh_token_days: int = 30
+    migrate_on_start: bool | None = None  # None: only in embedded mode
+
+    max_queue_size: int = 1000
+    max_attempts: int = 3
+    pending_event_interval_s: float = 1.0
+    worker_heartbeat_interval_s: float = 5.0
+    worker_timeout_s: float = 20.0
+    # A claimed work item untouched this long belongs to a dead server process and is reclaimed.
+    reclaim_idle_s: float = 60.0
+    token_stream_expire_s: float = 300.0
+    redis_pool_size: int = 512
+
+    @property
+    def embedded(self) -> bool:
+        return self.redis_url is None
+
+    @property
+    def effective_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite+aiosqlite:///{self.data_dir / 'tokentrail.db'}"
+
+    @property
+    def debug_auth_allowed(self) -> bool:
+        return self.embedded if self.allow_debug_auth is None else self.allow_debug_auth
+
+    @property
+    def should_migrate_on_start(self) -> bool:
+        if self.migrate_on_start is not None:
+            return self.migrate_on_start
+        return self.database_url is None or self.database_url.startswith("sqlite")
+
+    @model_validator(mode="after")
+    def _refuse_placeholder_secret(self) -> ServerSettings:
+        if self.auth_secret is not None and self.auth_secret.strip().lower() in PLACEHOLDER_SECRETS:
+            raise ValueError("TOKENTRAIL_AUTH_SECRET is a placeholder; set a long random value")
+        if self.auth_secret is not None and len(self.auth_secret) < 16:
+            raise ValueError("TOKENTRAIL_AUTH_SECRET must be at least 16 characters")
+        return self
+
+    def resolved_auth_secret(self) -> str:
+        """The signing secret; in embedded mode one is created once and kept in data_dir."""
+        if self.auth_secret:
+            return self.auth_secret
+        if not self.embedded:
+            raise ValueError(
+                "TOKENTRAIL_AUTH_SECRET (or --auth-secret) is required when running with Redis, "
+                "so that all server processes sign and check tokens alike"
+            )
+        path = self.data_dir / "auth_secret"
+        if path.exists():
+            return path.read_text().strip()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        secret = secrets.token_urlsafe(48)
+        path.write_text(secret)
+        path.chmod(0o600)
+        return secret

@@ -1,0 +1,121 @@
+"""Server-sent events of one assistant message (DESIGN D4, D8).
+
+A reader follows the message's token stream from its read position (``Last-Event-ID`` = index of
+the last token it has) and ends with a ``message`` or ``error`` event. While the message waits
+in the queue it gets ``pending`` events. A finished message whose stream has expired is replayed
+from SQL: the stored completion tokens, sliced by their stored text offsets, then ``message``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from pydantic import BaseModel
+from sse_starlette import ServerSentEvent
+
+from server.models import Message, MessageTokens
+from server.repository import message_to_read
+from server.state import AppState
+from server.token_stream import StreamDone, StreamReset, TokenBatch
+from shared.api import FINISHED_STATES, MessageState
+from shared.events import ErrorEvent, MessageEvent, PendingEvent, ResetEvent, TokenEvent
+from shared.packing import unpack_floats, unpack_ids
+
+# Re-check the database after this many empty waits (a safety net for streams that never end).
+_DB_RECHECK_EVERY = 5
+
+
+def _event(payload: BaseModel, event_id: int | None = None) -> ServerSentEvent:
+    # orjson writes non-finite floats (a -inf logprob) as null instead of failing.
+    data = orjson.dumps(payload.model_dump(mode="python"), default=_default).decode()
+    return ServerSentEvent(data=data, id=str(event_id) if event_id is not None else None)
+
+
+def _default(obj: Any) -> Any:
+    if hasattr(obj, "isoformat"):
+        return obj.isoformat()
+    raise TypeError(f"cannot encode {type(obj).__name__}")
+
+
+def _token_events(batch: TokenBatch, after: int) -> list[ServerSentEvent]:
+    out = []
+    for i, tok in enumerate(batch.token_ids):
+        index = batch.start + i
+        if index > after:
+            lp = batch.logprobs[i]
+            out.append(_event(TokenEvent(text=batch.texts[i], index=index, token_id=tok, logprob=lp), index))
+    return out
+
+
+async def _final_events(state: AppState, message_id: str, after: int) -> list[ServerSentEvent]:
+    """Replay from SQL: tokens after ``after``, then the final message or error event."""
+    async with state.sessions() as s:
+        msg = await s.get(Message, message_id)
+        if msg is None:
+            return [_event(ErrorEvent(error="message was deleted", code="message_not_found"))]
+        tokens = await s.get(MessageTokens, message_id)
+    out: list[ServerSentEvent] = []
+    if tokens is not None:
+        ids = unpack_ids(tokens.completion_ids)
+        lps = unpack_floats(tokens.logprobs)
+        ends = unpack_ids(tokens.text_offsets)
+        content = msg.content or ""
+        starts = [0, *ends[:-1]]
+        texts = [content[a:b] for a, b in zip(starts, ends, strict=True)]
+        lps_opt: list[float | None] = [None if lp != lp else lp for lp in lps]
+        out += _token_events(TokenBatch(0, ids, lps_opt, texts), after)
+    read = message_to_read(msg)
+    if msg.state == MessageState.complete:
+        out.append(_event(MessageEvent(message=read)))
+    else:
+        out.append(
+            _event(ErrorEvent(error=msg.error or f"message {msg.state}", code=msg.error_code, message=read))
+        )
+    return out
+
+
+async def message_events(state: AppState, msg: Message, after: int) -> AsyncIterator[ServerSentEvent]:
+    if msg.state in FINISHED_STATES and not await state.streams.exists(msg.id):
+        for ev in await _final_events(state, msg.id, after):
+            yield ev
+        return
+    seen_tokens = after >= 0
+    empty_waits = 0
+    model = msg.model_config_name or ""
+    if not seen_tokens:
+        pos, size = await state.queue.position(model, msg.id)
+        yield _event(PendingEvent(queue_position=pos, queue_size=size))
+    while True:
+        entries = await state.streams.read(msg.id, after, timeout_s=state.settings.pending_event_interval_s)
+        if not entries:
+            empty_waits += 1
+            recheck = empty_waits % _DB_RECHECK_EVERY == 0
+            if recheck and await _finished_in_db(state, msg.id) and not await state.streams.exists(msg.id):
+                for ev in await _final_events(state, msg.id, after):
+                    yield ev
+                return
+            if not seen_tokens:
+                pos, size = await state.queue.position(model, msg.id)
+                yield _event(PendingEvent(queue_position=pos, queue_size=size))
+            continue
+        for entry in entries:
+            if isinstance(entry, TokenBatch):
+                for ev in _token_events(entry, after):
+                    yield ev
+                after = max(after, entry.end - 1)
+                seen_tokens = True
+            elif isinstance(entry, StreamReset):
+                after = entry.from_index - 1
+                yield _event(ResetEvent(from_index=entry.from_index))
+            elif isinstance(entry, StreamDone):
+                for ev in (await _final_events(state, msg.id, after))[-1:]:
+                    yield ev
+                return
+
+
+async def _finished_in_db(state: AppState, message_id: str) -> bool:
+    async with state.sessions() as s:
+        msg = await s.get(Message, message_id)
+    return msg is None or msg.state in FINISHED_STATES

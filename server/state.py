@@ -1,0 +1,32 @@
+"""What the app's lifespan owns: database, queue, token streams, worker directory, signer, hub."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from server.auth import TokenSigner
+from server.db import SessionFactory
+from server.queue import WorkerDirectory, WorkQueue
+from server.settings import ServerSettings
+from server.token_stream import TokenStreams
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+
+    from server.worker_hub import WorkerHub
+
+
+@dataclass
+class AppState:
+    settings: ServerSettings
+    engine: AsyncEngine
+    sessions: SessionFactory
+    queue: WorkQueue
+    directory: WorkerDirectory
+    streams: TokenStreams
+    signer: TokenSigner
+    hub: WorkerHub
+    redis: Redis | None

@@ -1,0 +1,383 @@
+"""The server side of the worker websocket (DESIGN D3, D5, D10).
+
+One ``WorkerConnection`` per connected worker runs three loops: receive frames, dispatch queued
+work while the worker has credits, and send heartbeats (which also keep the worker's directory
+entry and claimed queue items alive). When a worker goes away, each message it held is fenced
+with a new attempt and re-queued; tokens it already streamed stay in the message's token stream
+and the next worker resumes after them, so readers see one continuous stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from fastapi import WebSocket, WebSocketDisconnect
+from pydantic import ValidationError
+from sqlalchemy import select
+
+from server.auth import hash_key
+from server.db import SessionFactory
+from server.models import WorkerKey
+from server.queue import WorkerDirectory, WorkerEntry, WorkItem, WorkQueue
+from server.settings import ServerSettings
+from server.token_stream import StreamConflict, StreamDone, TokenBatch, TokenStreams
+from server.work_store import WorkStore
+from shared.errors import ErrorCode
+from shared.protocol import (
+    PROTOCOL_VERSION,
+    CreditFrame,
+    ErrorFrame,
+    FailedFrame,
+    FinishedFrame,
+    HeartbeatFrame,
+    HelloFrame,
+    ResumeState,
+    TokensFrame,
+    WelcomeFrame,
+    WorkFrame,
+    worker_frame_adapter,
+)
+
+log = logging.getLogger(__name__)
+
+CLOSE_INVALID_KEY = 4401
+CLOSE_PROTOCOL = 4426
+CLOSE_BAD_FRAME = 4400
+
+
+@dataclass
+class InFlight:
+    item: WorkItem
+    next_index: int  # index the next tokens frame must start at
+
+
+@dataclass
+class WorkerConnection:
+    id: str
+    hello: HelloFrame
+    ws: WebSocket
+    credits: int = 0
+    credit_event: asyncio.Event = field(default_factory=asyncio.Event)
+    inflight: dict[str, InFlight] = field(default_factory=dict)
+    last_seen: float = field(default_factory=time.monotonic)
+    send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def send(self, frame: WorkFrame | HeartbeatFrame | WelcomeFrame | ErrorFrame) -> None:
+        async with self.send_lock:
+            await self.ws.send_text(frame.model_dump_json())
+
+    def entry(self) -> WorkerEntry:
+        h = self.hello
+        return WorkerEntry(self.id, h.model_name, h.compat_hash, h.engine, h.max_context, h.capacity)
+
+
+class WorkerHub:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        sessions: SessionFactory,
+        queue: WorkQueue,
+        directory: WorkerDirectory,
+        streams: TokenStreams,
+    ) -> None:
+        self.settings = settings
+        self.sessions = sessions
+        self.queue = queue
+        self.directory = directory
+        self.streams = streams
+        self.store = WorkStore(sessions)
+        self.connections: dict[str, WorkerConnection] = {}
+        self._reaper: asyncio.Task[None] | None = None
+        self.server_id = secrets.token_hex(4)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._reaper = asyncio.create_task(self._reap_forever(), name="tokentrail-reaper")
+
+    async def stop(self) -> None:
+        if self._reaper:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        for conn in list(self.connections.values()):
+            with contextlib.suppress(Exception):
+                await conn.ws.close(code=1001)
+
+    # ---- connection ------------------------------------------------------------------------
+    async def serve(self, ws: WebSocket) -> None:
+        await ws.accept()
+        key = _bearer(ws.headers.get("authorization", ""))
+        if not key or not await self._valid_key(key):
+            await _refuse(
+                ws, ErrorCode.invalid_worker_key, "unknown or revoked worker key", CLOSE_INVALID_KEY
+            )
+            return
+        try:
+            raw = await asyncio.wait_for(ws.receive_text(), timeout=30)
+            hello = worker_frame_adapter.validate_json(raw)
+        except (TimeoutError, ValidationError, WebSocketDisconnect) as exc:
+            await _refuse(ws, ErrorCode.bad_frame, f"expected a hello frame: {exc}", CLOSE_BAD_FRAME)
+            return
+        if not isinstance(hello, HelloFrame):
+            await _refuse(ws, ErrorCode.bad_frame, "the first frame must be hello", CLOSE_BAD_FRAME)
+            return
+        if hello.protocol_version != PROTOCOL_VERSION:
+            await _refuse(
+                ws,
+                ErrorCode.protocol_version_mismatch,
+                f"server speaks protocol {PROTOCOL_VERSION}, worker {hello.protocol_version}",
+                CLOSE_PROTOCOL,
+            )
+            return
+        conn = WorkerConnection(id=f"w-{self.server_id}-{secrets.token_hex(6)}", hello=hello, ws=ws)
+        self.connections[conn.id] = conn
+        await self.directory.register(conn.entry(), ttl_s=self.settings.worker_timeout_s)
+        log.info("worker %s connected: model=%s capacity=%d", conn.id, hello.model_name, hello.capacity)
+        try:
+            await conn.send(
+                WelcomeFrame(
+                    worker_id=conn.id, heartbeat_interval_s=self.settings.worker_heartbeat_interval_s
+                )
+            )
+            async with asyncio.TaskGroup() as tg:
+                recv = tg.create_task(self._receive(conn))
+                disp = tg.create_task(self._dispatch_loop(conn))
+                beat = tg.create_task(self._heartbeat(conn))
+                await recv  # returns when the worker goes away
+                disp.cancel()
+                beat.cancel()
+        except* (WebSocketDisconnect, RuntimeError, ConnectionError) as eg:
+            log.info("worker %s disconnected: %s", conn.id, eg.exceptions[0])
+        finally:
+            self.connections.pop(conn.id, None)
+            await self.directory.unregister(conn.id)
+            await asyncio.shield(self._recover_all(conn))
+
+    async def _valid_key(self, key: str) -> bool:
+        async with self.sessions() as s:
+            row = await s.scalar(
+                select(WorkerKey).where(WorkerKey.key_hash == hash_key(key), WorkerKey.revoked_at.is_(None))
+            )
+        return row is not None
+
+    async def _receive(self, conn: WorkerConnection) -> None:
+        while True:
+            try:
+                raw = await asyncio.wait_for(conn.ws.receive_text(), timeout=self.settings.worker_timeout_s)
+            except TimeoutError:
+                log.warning(
+                    "worker %s silent for %.0fs: dropping it", conn.id, self.settings.worker_timeout_s
+                )
+                with contextlib.suppress(Exception):
+                    await conn.ws.close(code=1011)
+                return
+            except WebSocketDisconnect:
+                return
+            conn.last_seen = time.monotonic()
+            try:
+                frame = worker_frame_adapter.validate_json(raw)
+            except ValidationError as exc:
+                log.warning("worker %s sent a bad frame: %s", conn.id, exc)
+                continue
+            if isinstance(frame, CreditFrame):
+                conn.credits += frame.credits
+                conn.credit_event.set()
+            elif isinstance(frame, TokensFrame):
+                await self._on_tokens(conn, frame)
+            elif isinstance(frame, FinishedFrame):
+                await self._on_finished(conn, frame)
+            elif isinstance(frame, FailedFrame):
+                await self._on_failed(conn, frame)
+
+    async def _heartbeat(self, conn: WorkerConnection) -> None:
+        while True:
+            await asyncio.sleep(self.settings.worker_heartbeat_interval_s)
+            await conn.send(HeartbeatFrame())
+            await self.directory.register(conn.entry(), ttl_s=self.settings.worker_timeout_s)
+            if conn.inflight:
+                await self.queue.touch([f.item for f in conn.inflight.values()], conn.id)
+
+    # ---- dispatch --------------------------------------------------------------------------
+    async def _dispatch_loop(self, conn: WorkerConnection) -> None:
+        model = conn.hello.model_name
+        while True:
+            if conn.credits <= 0:
+                conn.credit_event.clear()
+                await conn.credit_event.wait()
+                continue
+            items = await self.queue.claim(model, conn.id, conn.credits, timeout_s=1.0)
+            for item in items:
+                if item.message_id in conn.inflight:  # a duplicate delivery of work we hold
+                    await self.queue.ack(item)
+                    continue
+                # Registered before any await, so that recovery sees it if the worker drops now.
+                conn.inflight[item.message_id] = InFlight(item, next_index=0)
+                conn.credits -= 1
+            for item in items:
+                inflight = conn.inflight.get(item.message_id)
+                if (
+                    inflight is not None
+                    and inflight.item is item
+                    and not await self._dispatch(conn, inflight)
+                ):
+                    conn.inflight.pop(item.message_id, None)
+                    conn.credits += 1
+
+    async def _dispatch(self, conn: WorkerConnection, inflight: InFlight) -> bool:
+        """Send the work frame; False if the item needed no work (it has been acked)."""
+        item = inflight.item
+        loaded = await self.store.load(item.message_id)
+        if loaded is None or not self.store.is_open(loaded[0], item.attempt):
+            await self.queue.ack(item)  # finished, deleted or superseded: nothing to do
+            return False
+        msg, path = loaded
+        if item.attempt > self.settings.max_attempts or item.deliveries > self.settings.max_attempts:
+            await self._give_up(item, ErrorCode.too_many_attempts, f"gave up after {item.attempt} attempts")
+            return False
+        if not await self.store.start(msg.id, item.attempt, conn.id):
+            await self.queue.ack(item)
+            return False
+        resume = await self._resume_state(msg.id, conn)
+        params = self.store.work_parameters(msg)
+        frame = WorkFrame(
+            message_id=msg.id,
+            attempt=item.attempt,
+            chat_id=msg.chat_id,
+            model_name=conn.hello.model_name,
+            messages=self.store.work_messages(path),
+            sampling=params.sampling_parameters,
+            seed=params.seed,
+            resume=resume,
+        )
+        inflight.next_index = len(resume.token_ids) if resume else 0
+        await conn.send(frame)
+        return True
+
+    async def _resume_state(self, message_id: str, conn: WorkerConnection) -> ResumeState | None:
+        """Tokens an earlier attempt already streamed, to be continued rather than redone."""
+        ids: list[int] = []
+        lps: list[float | None] = []
+        texts: list[str] = []
+        entries = await self.streams.read(message_id, -1, timeout_s=0)
+        for e in entries:
+            if isinstance(e, TokenBatch):
+                skip = len(ids) - e.start
+                ids += e.token_ids[skip:]
+                lps += e.logprobs[skip:]
+                texts += e.texts[skip:]
+        if not ids:
+            return None
+        return ResumeState(compat_hash=conn.hello.compat_hash, token_ids=ids, logprobs=lps, texts=texts)
+
+    # ---- frames from the worker --------------------------------------------------------------
+    def _current(self, conn: WorkerConnection, message_id: str, attempt: int) -> InFlight | None:
+        inflight = conn.inflight.get(message_id)
+        if inflight is None or inflight.item.attempt != attempt:
+            log.info("dropping frame of stale attempt %d for %s", attempt, message_id)
+            return None
+        return inflight
+
+    async def _on_tokens(self, conn: WorkerConnection, frame: TokensFrame) -> None:
+        inflight = self._current(conn, frame.message_id, frame.attempt)
+        if inflight is None or not frame.token_ids:
+            return
+        n = len(frame.token_ids)
+        if len(frame.logprobs) != n or len(frame.texts) != n:
+            log.warning("worker %s sent a tokens frame with mismatched lengths", conn.id)
+            return
+        try:
+            await self.streams.append(
+                frame.message_id, TokenBatch(frame.start, frame.token_ids, frame.logprobs, frame.texts)
+            )
+            inflight.next_index = frame.start + n
+        except StreamConflict:
+            log.warning("rejected tokens %d.. of %s (stream is elsewhere)", frame.start, frame.message_id)
+
+    async def _on_finished(self, conn: WorkerConnection, frame: FinishedFrame) -> None:
+        inflight = self._current(conn, frame.message_id, frame.attempt)
+        if inflight is None:
+            return
+        record = frame.record
+        # Readers must see every stored token: stream whatever the worker did not send as frames.
+        tail = inflight.next_index
+        if tail < len(record.completion_ids):
+            offsets = [0, *record.text_offsets]
+            texts = [
+                record.content[offsets[i] : offsets[i + 1]] for i in range(tail, len(record.completion_ids))
+            ]
+            with contextlib.suppress(StreamConflict):
+                await self.streams.append(
+                    frame.message_id,
+                    TokenBatch(tail, record.completion_ids[tail:], record.logprobs[tail:], texts),
+                )
+        stored = await self.store.store(frame.message_id, frame.attempt, record)
+        conn.inflight.pop(frame.message_id, None)
+        if stored:
+            await self.streams.finish(frame.message_id, StreamDone("complete"))
+        await self.queue.ack(inflight.item)
+
+    async def _on_failed(self, conn: WorkerConnection, frame: FailedFrame) -> None:
+        inflight = self._current(conn, frame.message_id, frame.attempt)
+        if inflight is None:
+            return
+        conn.inflight.pop(frame.message_id, None)
+        if frame.retryable and frame.attempt < self.settings.max_attempts:
+            await self._requeue(inflight.item)
+        else:
+            await self._give_up(inflight.item, frame.code, frame.message)
+
+    # ---- recovery --------------------------------------------------------------------------
+    async def _requeue(self, item: WorkItem) -> None:
+        attempt = await self.store.next_attempt(item.message_id, item.attempt)
+        if attempt is not None:
+            try:
+                await self.queue.enqueue(item.model, item.message_id, attempt)
+            except Exception:
+                log.exception("could not requeue %s", item.message_id)
+                await self._give_up(item, ErrorCode.worker_lost, "worker lost and the queue is full")
+                return
+        await self.queue.ack(item)
+
+    async def _give_up(self, item: WorkItem, code: ErrorCode | str, error: str) -> None:
+        if await self.store.fail(item.message_id, None, code, error):
+            await self.streams.finish(item.message_id, StreamDone("error", error=error, code=str(code)))
+        await self.queue.ack(item)
+
+    async def _recover_all(self, conn: WorkerConnection) -> None:
+        for inflight in list(conn.inflight.values()):
+            log.warning("worker %s lost while generating %s: requeueing", conn.id, inflight.item.message_id)
+            await self._requeue(inflight.item)
+        conn.inflight.clear()
+
+    async def _reap_forever(self) -> None:
+        """Requeue items claimed by server processes that died (their consumers never touch them)."""
+        interval = max(self.settings.reclaim_idle_s / 2, 1.0)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                models = {w.model_name for w in await self.directory.workers()}
+                for model in models:
+                    for item in await self.queue.reclaim(
+                        model, f"reaper-{self.server_id}", self.settings.reclaim_idle_s, 100
+                    ):
+                        if any(item.message_id in c.inflight for c in self.connections.values()):
+                            continue
+                        await self._requeue(item)
+            except Exception:
+                log.exception("reaper pass failed")
+
+
+def _bearer(header: str) -> str | None:
+    scheme, _, token = header.partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
+
+
+async def _refuse(ws: WebSocket, code: ErrorCode, message: str, close_code: int) -> None:
+    with contextlib.suppress(Exception):
+        await ws.send_text(ErrorFrame(code=code.value, message=message).model_dump_json())
+        await ws.close(code=close_code)

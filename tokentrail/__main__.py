@@ -1,0 +1,3 @@
+from tokentrail.cli import app
+
+app()

@@ -1,0 +1,24 @@
+"""The ``tokentrail`` command: composes the subcommands each package owns."""
+
+from __future__ import annotations
+
+import typer
+
+from server.cli import admin_app, db_app, serve
+from text_client.cli import chat
+from tokentrail.launcher import demo, up
+from worker.cli import model_app, worker
+
+app = typer.Typer(
+    help="tokentrail: a chat inference service that keeps every token exactly.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+app.command("serve")(serve)
+app.command("worker")(worker)
+app.command("chat")(chat)
+app.command("up")(up)
+app.command("demo")(demo)
+app.add_typer(db_app, name="db")
+app.add_typer(admin_app, name="admin")
+app.add_typer(model_app, name="model")

@@ -1,0 +1,50 @@
+"""Wires a worker process together: resolve the model, load tokenizer and engine, run the client."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from worker.chat_format import ChatFormat
+from worker.client import WorkerClient, WorkerOptions
+from worker.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+def make_engine(name: str, model_path: str, *, device: str, dtype: str, max_parallel: int) -> Engine:
+    if name == "hf":
+        from worker.hf_engine import HFEngine
+
+        return HFEngine(model_path, device=device, dtype=dtype, max_batch_size=max_parallel)
+    raise ValueError(f"engine {name!r} is not available in this build")
+
+
+async def run_worker(
+    *,
+    server_url: str,
+    api_key: str,
+    model: str,
+    engine_name: str,
+    max_parallel: int,
+    device: str,
+    dtype: str,
+    served_model_name: str | None,
+) -> None:
+    from worker.tiny_model import resolve_model
+
+    model_path = await asyncio.to_thread(resolve_model, model)
+    fmt = await asyncio.to_thread(ChatFormat.load, model_path)
+    engine = make_engine(engine_name, model_path, device=device, dtype=dtype, max_parallel=max_parallel)
+    await engine.start()
+    log.info("model %s loaded from %s (engine %s)", model, model_path, engine_name)
+    options = WorkerOptions(
+        server_url=server_url,
+        api_key=api_key,
+        model_name=served_model_name or model,
+        max_parallel=max_parallel,
+    )
+    try:
+        await WorkerClient(options, engine, fmt).run_forever()
+    finally:
+        await engine.close()

@@ -1,0 +1,136 @@
+"""Real servers and workers for end-to-end tests.
+
+``ServerThread`` runs the real app under uvicorn on a free loopback port (real HTTP, SSE and
+websockets); ``WorkerThread`` runs a real worker client (its own event loop) against it.
+``spawn`` starts either as a separate ``python -m tokentrail`` process for multi-process tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+
+from server.app import create_app
+from server.settings import ServerSettings
+from worker.chat_format import ChatFormat
+from worker.client import WorkerClient, WorkerOptions
+from worker.engine import Engine
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{what} not ready after {timeout_s}s")
+
+
+class ServerThread:
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.port = settings.port
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self) -> ServerThread:
+        self.thread.start()
+        wait_for(lambda: httpx.get(f"{self.url}/health").status_code == 200, 30, "server")
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
+class WorkerThread:
+    """A worker client with its own event loop in a thread; ``engine_factory`` builds its engine."""
+
+    def __init__(
+        self, server_url: str, api_key: str, model_name: str, fmt: ChatFormat, engine_factory: Callable[[], Engine],
+        max_parallel: int = 4,
+    ) -> None:  # fmt: skip
+        self.options = WorkerOptions(server_url, api_key, model_name, max_parallel=max_parallel)
+        self.fmt = fmt
+        self.engine_factory = engine_factory
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.client: WorkerClient | None = None
+        self._main: asyncio.Task[Any] | None = None
+        self.error: BaseException | None = None
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+
+        async def main() -> None:
+            engine = self.engine_factory()
+            await engine.start()
+            self.client = WorkerClient(self.options, engine, self.fmt)
+            try:
+                await self.client.run_forever()
+            finally:
+                await engine.close()
+
+        self._main = self.loop.create_task(main())
+        try:
+            self.loop.run_until_complete(self._main)
+        except asyncio.CancelledError:
+            pass
+        except BaseException as exc:  # surfaced to the test through .error
+            self.error = exc
+        finally:
+            self.loop.close()
+
+    def start(self, server_url: str | None = None, model: str | None = None) -> WorkerThread:
+        self.thread.start()
+        url = server_url or self.options.server_url
+        name = model or self.options.model_name
+
+        def offered() -> bool:
+            if self.error:
+                raise RuntimeError(f"worker died: {self.error!r}")
+            return any(m["name"] == name for m in httpx.get(f"{url}/configs/model_configs").json())
+
+        wait_for(offered, 60, "worker")
+        return self
+
+    def stop(self) -> None:
+        if self._main is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._main.cancel)
+        self.thread.join(timeout=15)
+
+
+def spawn(
+    args: list[str], env: dict[str, str] | None = None, log: Path | None = None
+) -> subprocess.Popen[bytes]:
+    """``python -m tokentrail ARGS`` as a child process, output to ``log`` if given."""
+    out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(
+        [sys.executable, "-m", "tokentrail", *args],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )

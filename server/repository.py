@@ -8,6 +8,7 @@ root); an assistant message hangs off a prompter message. Siblings are branches.
 from __future__ import annotations
 
 import base64
+import binascii
 from typing import Any
 
 from sqlalchemy import select
@@ -35,8 +36,8 @@ def decode_cursor(cursor: str | None) -> str | None:
     if cursor is None:
         return None
     try:
-        return base64.urlsafe_b64decode(cursor.encode()).decode()
-    except (ValueError, UnicodeDecodeError) as exc:
+        return base64.b64decode(cursor.encode(), altchars=b"-_", validate=True).decode()
+    except (ValueError, UnicodeDecodeError, binascii.Error) as exc:
         raise ApiError(ErrorCode.bad_request, "invalid pagination cursor") from exc
 
 

@@ -26,6 +26,22 @@ from worker.chat_format import ChatFormat
 from worker.client import WorkerClient, WorkerOptions
 from worker.engine import Engine
 
+MODEL = "tiny"
+
+
+def worker_key(settings: ServerSettings) -> str:
+    """A new worker key in the settings' database (migrated first if needed)."""
+    from server.admin import create_worker_key, open_database
+
+    async def go() -> str:
+        engine, sessions = await open_database(settings)
+        try:
+            return await create_worker_key(sessions, "test")
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(go())
+
 
 def free_port() -> int:
     import socket
@@ -70,9 +86,14 @@ class WorkerThread:
     """A worker client with its own event loop in a thread; ``engine_factory`` builds its engine."""
 
     def __init__(
-        self, server_url: str, api_key: str, model_name: str, fmt: ChatFormat, engine_factory: Callable[[], Engine],
+        self,
+        server_url: str,
+        api_key: str,
+        model_name: str,
+        fmt: ChatFormat,
+        engine_factory: Callable[[], Engine],
         max_parallel: int = 4,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.options = WorkerOptions(server_url, api_key, model_name, max_parallel=max_parallel)
         self.fmt = fmt
         self.engine_factory = engine_factory

@@ -6,48 +6,20 @@ Open-Assistant's clients do: debug login, chat, prompter message, assistant mess
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from server.admin import create_worker_key, open_database
-from server.settings import ServerSettings
-from tests.stack import ServerThread, WorkerThread, free_port
+from tests.stack import MODEL
 from text_client.sse import parse_sse
-from worker.chat_format import ChatFormat
-from worker.hf_engine import HFEngine
-
-MODEL = "tiny"
-
-
-def _worker_key(settings: ServerSettings) -> str:
-    async def go() -> str:
-        engine, sessions = await open_database(settings)
-        try:
-            return await create_worker_key(sessions, "test")
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(go())
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[str]:
-    settings = ServerSettings(data_dir=tmp_path_factory.mktemp("data"), port=free_port())
-    server = ServerThread(settings).start()
-    fmt = ChatFormat.load(str(tiny_model_dir))
-    worker = WorkerThread(
-        server.url, _worker_key(settings), MODEL, fmt, lambda: HFEngine(str(tiny_model_dir), max_batch_size=8)
-    ).start()
-    yield server.url
-    worker.stop()
-    server.stop()
+def stack(embedded_stack: str) -> str:
+    return embedded_stack
 
 
 def login(url: str, username: str) -> dict[str, str]:

@@ -1,0 +1,64 @@
+"""Shared fixtures for the test suite.
+
+Services (session-scoped, see ``tests/services.py`` for how each is found or started):
+- ``redis_url``: a Redis database of this session's own, flushed at start and end.
+- ``postgres_url``: a fresh PostgreSQL database (``postgresql+asyncpg://``), dropped at the end.
+A test that requests one is skipped, with the reason, where the service is unavailable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, ExitStack
+from pathlib import Path
+
+import pytest
+
+from tests import services
+
+
+def _enter_or_skip(stack: ExitStack, service: AbstractContextManager[str]) -> str:
+    try:
+        return stack.enter_context(service)
+    except services.ServiceUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    with ExitStack() as stack:
+        yield _enter_or_skip(stack, services.redis_service())
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    with ExitStack() as stack:
+        yield _enter_or_skip(stack, services.postgres_service())
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny chatml model, built once per test session (a few seconds, offline)."""
+    from worker.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-chatml"))
+
+
+@pytest.fixture(scope="session")
+def embedded_stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[str]:
+    """A server on embedded defaults (SQLite, in-process queue) in a thread, with one real worker
+    (hf engine, tiny model) connected over the websocket. Yields the server URL."""
+    from server.settings import ServerSettings
+    from tests.stack import MODEL, ServerThread, WorkerThread, free_port, worker_key
+    from worker.chat_format import ChatFormat
+    from worker.hf_engine import HFEngine
+
+    settings = ServerSettings(data_dir=tmp_path_factory.mktemp("data"), port=free_port())
+    server = ServerThread(settings).start()
+    fmt = ChatFormat.load(str(tiny_model_dir))
+    worker = WorkerThread(
+        server.url, worker_key(settings), MODEL, fmt, lambda: HFEngine(str(tiny_model_dir), max_batch_size=8)
+    ).start()
+    yield server.url
+    worker.stop()
+    server.stop()

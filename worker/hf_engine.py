@@ -1,0 +1,386 @@
+"""The ``hf`` engine: continuous batching over a transformers causal LM (CPU or CUDA).
+
+Design. One scheduler task owns the batch and runs every model call on a single dedicated thread, one
+call per *step*, so the event loop stays responsive and all torch state is touched by one thread.
+At each step boundary the scheduler drops finished/aborted rows and admits waiting requests (up to
+``max_batch_size``). A step then
+
+1. runs one batched decode forward for all rows already running (each feeds its last sampled token),
+2. prefills each newly admitted prompt on its own (batch of 1, no padding, so prompt numerics are
+   exactly those of an unbatched run) and samples its first token,
+3. merges the new rows' KV caches into the batch cache.
+
+The batch cache is a plain ``DynamicCache`` (one full layer per model layer, even for sliding-window
+models: masks compare cache indices, which stay consistent) kept *right-aligned*: every row's newest
+cached token sits in the last column, shorter rows are left-padded with zero keys/values that the 2-D
+attention mask hides, and RoPE positions are passed per row. Merging pads and concatenates along
+batch; leaving rows are index-selected and all-padding columns trimmed. Nothing is recomputed when
+membership changes, and padding never enters a real token's attention, so batched logprobs match a
+teacher-forced fp32 pass to ~1e-6. Sampling is per row (own params, own seeded ``torch.Generator``),
+so a request's tokens do not depend on which other requests share its batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections import deque
+from collections.abc import AsyncGenerator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+from transformers.utils import logging as hf_logging
+
+from shared.errors import ErrorCode
+from worker.engine import EngineError, EngineInfo, GenerationParams, TokenStep
+from worker.sampling import is_greedy, param_error, presence_mask, process_logits, top_logprobs
+
+__all__ = ["HFEngine", "HFEngineStats"]
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class HFEngineStats:
+    forward_passes: int = 0  # prefills + decode steps
+    prefills: int = 0
+    decode_steps: int = 0  # batched decode forwards
+    tokens_generated: int = 0
+    max_batch_size_seen: int = 0  # largest number of rows advanced by one decode forward
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    prompt: list[int]
+    params: GenerationParams
+    limit: int  # max_new_tokens capped so that prompt + completion fits max_context
+    queue: asyncio.Queue[TokenStep | EngineError] = field(default_factory=asyncio.Queue)
+    done: bool = False  # final step queued or consumer gone: the scheduler drops it at the next step
+
+
+@dataclass(eq=False)
+class _Row:
+    """Worker-thread state of one running request; ``tokens[-1]`` is not in the KV cache yet."""
+
+    req: _Request
+    tokens: list[int]
+    generator: torch.Generator
+    presence: torch.Tensor | None = None  # [1, vocab] bool, only with a repetition penalty
+    generated: int = 0
+
+
+class HFEngine:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_batch_size: int = 16,
+        max_context: int | None = None,
+    ) -> None:
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, not {dtype!r}")
+        if max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
+        self._path = model_path
+        self._device = torch.device(device)
+        self._dtype = _DTYPES[dtype]
+        self._max_batch = max_batch_size
+        config = AutoConfig.from_pretrained(model_path).get_text_config(decoder=True)
+        limit = max_context or getattr(config, "max_position_embeddings", None)
+        if not isinstance(limit, int) or limit < 1:
+            raise ValueError("max_context not given and the model config has no max_position_embeddings")
+        self.info = EngineInfo(
+            name="hf", max_context=limit, extra={"model_path": model_path, "device": device, "dtype": dtype}
+        )
+        self.stats = HFEngineStats()
+        self._model: PreTrainedModel | None = None
+        self._vocab = 0
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
+        self._requests: dict[str, _Request] = {}
+        self._pending: deque[_Request] = deque()
+        self._wake = asyncio.Event()
+        self._scheduler: asyncio.Task[None] | None = None
+        self._closing = False
+        # Batch state, touched only by the model thread (or by the loop while no step runs).
+        self._rows: list[_Row] = []
+        self._cache: DynamicCache | None = None
+        self._mask = torch.zeros((0, 0), dtype=torch.long, device=self._device)
+
+    @property
+    def batch_size(self) -> int:
+        """Rows currently in the decode batch (finished/aborted rows leave at the next step)."""
+        return len(self._rows)
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._scheduler is not None:
+            return
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._load)
+        self._scheduler = asyncio.create_task(self._run(), name="hf-engine-scheduler")
+
+    def _load(self) -> None:
+        with _quiet_loading():
+            model = AutoModelForCausalLM.from_pretrained(self._path, dtype=self._dtype)
+        # Plain nn.Module methods: transformers' wrappers of `to`/`eval` are opaque to type checkers.
+        torch.nn.Module.to(model, self._device)
+        torch.nn.Module.eval(model)
+        # Fail at start, not on the first request, if the model's cache is not plain attention KV.
+        with torch.inference_mode():
+            cache = DynamicCache()
+            probe = torch.zeros((1, 1), dtype=torch.long, device=self._device)
+            model(input_ids=probe, past_key_values=cache, use_cache=True)
+            _kv_layers(cache)
+        self._model = model
+        self._vocab = int(model.config.get_text_config(decoder=True).vocab_size)
+
+    async def close(self) -> None:
+        self._closing = True
+        self._wake.set()
+        if self._scheduler is not None:
+            await self._scheduler  # finishes the step in flight, if any
+        for req in list(self._requests.values()):
+            self._finish(req, TokenStep(token_ids=[], logprobs=[], finish_reason="abort"))
+        self._rows, self._cache, self._model = [], None, None
+        self._executor.shutdown(wait=True)
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: GenerationParams
+    ) -> AsyncGenerator[TokenStep, None]:
+        req = self._admit(request_id, prompt_ids, params)
+        try:
+            while True:
+                item = await req.queue.get()
+                if isinstance(item, EngineError):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            # Also reached when the consumer stops iterating: the row leaves the batch next step.
+            req.done = True
+            if self._requests.get(request_id) is req:
+                del self._requests[request_id]
+            self._wake.set()
+
+    def _admit(self, request_id: str, prompt_ids: list[int], params: GenerationParams) -> _Request:
+        if self._scheduler is None or self._closing:
+            raise EngineError(ErrorCode.not_ready, "engine is not running")
+        if request_id in self._requests:
+            raise EngineError(ErrorCode.bad_request, f"request id {request_id!r} is already running")
+        if not prompt_ids:
+            raise EngineError(ErrorCode.bad_request, "empty prompt")
+        if any(not 0 <= t < self._vocab for t in prompt_ids):
+            raise EngineError(ErrorCode.bad_request, f"prompt token ids must be in [0, {self._vocab})")
+        if problem := param_error(params):
+            raise EngineError(ErrorCode.bad_request, problem)
+        room = self.info.max_context - len(prompt_ids)
+        if room <= 0:
+            raise EngineError(
+                ErrorCode.context_overflow,
+                f"prompt has {len(prompt_ids)} tokens; the context holds {self.info.max_context}",
+            )
+        req = _Request(request_id, list(prompt_ids), params, min(params.max_new_tokens, room))
+        self._requests[request_id] = req
+        self._pending.append(req)
+        self._wake.set()
+        return req
+
+    async def abort(self, request_id: str) -> None:
+        req = self._requests.get(request_id)
+        if req is not None:
+            self._finish(req, TokenStep(token_ids=[], logprobs=[], finish_reason="abort"))
+            self._wake.set()
+
+    def _finish(self, req: _Request, last: TokenStep | EngineError) -> None:
+        if not req.done:
+            req.done = True
+            req.queue.put_nowait(last)
+        # A finished id may be reused at once, even before its consumer has drained the queue.
+        if self._requests.get(req.request_id) is req:
+            del self._requests[req.request_id]
+
+    # ---- scheduler (event loop side) -------------------------------------------------------------
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closing:
+            if not self._pending and not self._rows:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            admit: list[_Request] = []
+            while self._pending and len(self._rows) + len(admit) < self._max_batch:
+                req = self._pending.popleft()
+                if not req.done:
+                    admit.append(req)
+            try:
+                outputs = await loop.run_in_executor(self._executor, self._step, admit)
+            except Exception as exc:
+                log.exception("hf engine step failed")
+                error = EngineError(ErrorCode.engine_error, f"generation step failed: {exc!r}")
+                for req in [*(row.req for row in self._rows), *admit]:
+                    self._finish(req, error)
+                self._rows, self._cache = [], None
+                continue
+            for req, step in outputs:
+                if req.done:  # aborted while the step ran
+                    continue
+                if step.finish_reason is None:
+                    req.queue.put_nowait(step)
+                else:
+                    self._finish(req, step)
+
+    # ---- model thread ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _step(self, admit: list[_Request]) -> list[tuple[_Request, TokenStep]]:
+        outputs: list[tuple[_Request, TokenStep]] = []
+        self._keep([not row.req.done for row in self._rows])
+        if self._rows:
+            batch = len(self._rows)
+            self._mask = torch.cat([self._mask, self._mask.new_ones((batch, 1))], dim=1)
+            logits = self._forward(
+                torch.tensor([[row.tokens[-1]] for row in self._rows], device=self._device),
+                torch.tensor([[len(row.tokens) - 1] for row in self._rows], device=self._device),
+                self._cache,
+                self._mask,
+            )
+            self.stats.decode_steps += 1
+            self.stats.max_batch_size_seen = max(self.stats.max_batch_size_seen, batch)
+            outputs += [(row.req, self._sample(row, logits[i : i + 1])) for i, row in enumerate(self._rows)]
+            self._keep([step.finish_reason is None for _, step in outputs])
+        for req in admit:
+            if req.done:
+                continue
+            seed = req.params.seed if req.params.seed is not None else secrets.randbits(63)
+            row = _Row(req, list(req.prompt), torch.Generator(device=self._device).manual_seed(seed))
+            cache = DynamicCache()
+            prompt = torch.tensor([req.prompt], device=self._device)
+            logits = self._forward(prompt, None, cache, None)
+            self.stats.prefills += 1
+            step = self._sample(row, logits)
+            step.prompt_token_ids = list(req.prompt)
+            outputs.append((req, step))
+            if step.finish_reason is None:
+                self._merge(row, cache)
+        return outputs
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        cache: DynamicCache | None,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        assert self._model is not None
+        out = self._model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,  # only the next-token logits: no [batch, seq, vocab] tensor at prefill
+        )
+        self.stats.forward_passes += 1
+        logits: torch.Tensor = out.logits[:, -1, :].float()
+        return logits
+
+    def _sample(self, row: _Row, logits: torch.Tensor) -> TokenStep:
+        params = row.req.params
+        if params.repetition_penalty not in (None, 1.0) and row.presence is None:
+            row.presence = presence_mask([row.tokens], logits.shape[-1], logits.device)
+        logprobs = process_logits(logits, params, row.presence)
+        if is_greedy(params):
+            token = int(logprobs.argmax(dim=-1).item())
+        else:
+            token = int(torch.multinomial(logprobs.exp(), 1, generator=row.generator).item())
+        step = TokenStep(token_ids=[token], logprobs=[float(logprobs[0, token].item())])
+        if params.top_logprobs > 0:
+            step.top_logprobs = top_logprobs(logprobs, params.top_logprobs)
+        row.tokens.append(token)
+        row.generated += 1
+        self.stats.tokens_generated += 1
+        if row.presence is not None:
+            row.presence[0, token] = True
+        if token in params.stop_token_ids:
+            step.finish_reason, step.stop_reason = "stop", token
+        elif row.generated >= row.req.limit:
+            step.finish_reason = "length"
+        return step
+
+    def _keep(self, keep: list[bool]) -> None:
+        """Select the kept rows from the batch cache, then trim columns that are padding in every row."""
+        if all(keep):
+            return
+        self._rows = [row for row, k in zip(self._rows, keep, strict=True) if k]
+        if not self._rows or self._cache is None:
+            self._rows, self._cache = [], None
+            return
+        index = torch.tensor([i for i, k in enumerate(keep) if k], device=self._device)
+        mask = self._mask[index]
+        start = int(mask.any(dim=0).to(torch.uint8).argmax().item())  # first column any row uses
+        self._mask = mask[:, start:]
+        for layer, keys, values in _kv_layers(self._cache):
+            layer.keys, layer.values = keys[index, :, start:], values[index, :, start:]
+
+    def _merge(self, row: _Row, cache: DynamicCache) -> None:
+        """Append a freshly prefilled row, left-padding whichever side is shorter (zeros, masked out)."""
+        new_len = cache.get_seq_length()
+        new_mask = torch.ones((1, new_len), dtype=torch.long, device=self._device)
+        if self._cache is None:
+            self._rows, self._cache, self._mask = [row], cache, new_mask
+            return
+        old_len = self._mask.shape[1]
+        width = max(old_len, new_len)
+        self._mask = torch.cat(
+            [F.pad(self._mask, (width - old_len, 0)), F.pad(new_mask, (width - new_len, 0))]
+        )
+        for (layer, keys, values), (_, new_keys, new_values) in zip(
+            _kv_layers(self._cache), _kv_layers(cache), strict=True
+        ):
+            layer.keys = _cat_left_padded(keys, new_keys, width)
+            layer.values = _cat_left_padded(values, new_values, width)
+        self._rows.append(row)
+
+
+@contextlib.contextmanager
+def _quiet_loading() -> Iterator[None]:
+    # transformers 5 draws a "Loading weights" tqdm bar on stderr; a worker should stay quiet.
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
+
+
+def _kv_layers(cache: DynamicCache) -> list[tuple[DynamicLayer, torch.Tensor, torch.Tensor]]:
+    """The cache's layers with their key/value tensors, which must be plain full-attention layers."""
+    result = []
+    for layer in cache.layers:
+        if not isinstance(layer, DynamicLayer) or layer.keys is None or layer.values is None:
+            raise RuntimeError(
+                f"unsupported KV cache layer {layer!r}: the hf engine needs attention KV caches"
+            )
+        result.append((layer, layer.keys, layer.values))
+    return result
+
+
+def _cat_left_padded(a: torch.Tensor, b: torch.Tensor, width: int) -> torch.Tensor:
+    # [batch, heads, seq, head_dim]: pad seq on the left to `width`, then stack along batch
+    return torch.cat([F.pad(a, (0, 0, width - a.shape[2], 0)), F.pad(b, (0, 0, width - b.shape[2], 0))])

@@ -1,0 +1,164 @@
+"""The production shape: server processes and a worker process on PostgreSQL + Redis.
+
+Two server processes share one Redis and one database; the worker connects to one of them, and
+a client reads the same message's events through the other (token fan-out through Redis streams).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from server.settings import ServerSettings
+from tests.stack import MODEL, free_port, spawn, wait_for, worker_key
+from tests.test_e2e_embedded import events, login
+
+pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.slow]
+
+SECRET = "test-secret-0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    postgres_url: str, redis_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, str]]:
+    logs = tmp_path_factory.mktemp("logs")
+    env = {
+        "TOKENTRAIL_DATABASE_URL": postgres_url,
+        "TOKENTRAIL_REDIS_URL": redis_url,
+        "TOKENTRAIL_AUTH_SECRET": SECRET,
+        "TOKENTRAIL_ALLOW_DEBUG_AUTH": "true",
+        "TOKENTRAIL_DATA_DIR": str(tmp_path_factory.mktemp("data")),
+    }
+    up = spawn(["db", "upgrade"], env=env, log=logs / "upgrade.log")
+    assert up.wait(timeout=120) == 0, (logs / "upgrade.log").read_text()
+    key = worker_key(ServerSettings(database_url=postgres_url, migrate_on_start=False))
+    ports = [free_port(), free_port()]
+    procs = [spawn(["serve", "--port", str(p)], env=env, log=logs / f"server{p}.log") for p in ports]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    try:
+        for url in urls:
+            wait_for(lambda u=url: httpx.get(f"{u}/health").status_code == 200, 60, "server")  # type: ignore[misc]
+        procs.append(
+            spawn(
+                ["worker", "--server-url", urls[0], "--api-key", key, "--model", str(tiny_model_dir),
+                 "--served-model-name", MODEL, "--max-parallel", "4"],
+                log=logs / "worker.log",
+            )
+        )  # fmt: skip
+
+        def offered() -> bool:
+            assert procs[-1].poll() is None, (logs / "worker.log").read_text()
+            return any(m["name"] == MODEL for m in httpx.get(f"{urls[1]}/configs/model_configs").json())
+
+        wait_for(offered, 120, "worker")  # seen through the *other* server: the directory is in Redis
+        yield urls[0], urls[1]
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except Exception:
+                p.kill()
+
+
+def test_ready_pings_database_and_redis(cluster: tuple[str, str]) -> None:
+    body = httpx.get(f"{cluster[0]}/ready").json()
+    assert body == {"status": "ok", "checks": {"database": "ok", "redis": "ok"}}
+
+
+def test_oa_flow_across_two_servers(cluster: tuple[str, str]) -> None:
+    a, b = cluster
+    headers = login(a, "pg-alice")  # tokens signed by one replica are accepted by the other
+    chat_id = httpx.post(f"{b}/chats", json={}, headers=headers).json()["id"]
+    prompt = httpx.post(
+        f"{a}/chats/{chat_id}/prompter_message", json={"parent_id": None, "content": "Hi!"}, headers=headers
+    ).json()
+    reply = httpx.post(
+        f"{b}/chats/{chat_id}/assistant_message",
+        json={
+            "parent_id": prompt["id"],
+            "model_config_name": MODEL,
+            "sampling_parameters": {"max_new_tokens": 60},
+        },
+        headers=headers,
+    ).json()
+    path = f"/chats/{chat_id}/messages/{reply['id']}/events"
+    results: dict[str, list[dict[str, Any]]] = {}
+    readers = [
+        threading.Thread(target=lambda: results.__setitem__("a", events(a, path, headers))),
+        threading.Thread(target=lambda: results.__setitem__("b", events(b, path, headers))),
+    ]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join(timeout=120)
+    stored = httpx.get(f"{a}/chats/{chat_id}/messages/{reply['id']}?include=tokens", headers=headers).json()
+    assert stored["state"] == "complete"
+    for name in ("a", "b"):
+        evs = results[name]
+        assert evs[-1]["event_type"] == "message", evs[-3:]
+        assert [e["token_id"] for e in evs if e["event_type"] == "token"] == stored["completion_token_ids"]
+    # resume through the other replica with Last-Event-ID
+    rest = events(b, path, headers, last_event_id=9)
+    assert [e["token_id"] for e in rest if e["event_type"] == "token"] == stored["completion_token_ids"][10:]
+
+    # a second turn: the prompt holds the first turn's tokens
+    prompt2 = httpx.post(
+        f"{b}/chats/{chat_id}/prompter_message",
+        json={"parent_id": reply["id"], "content": "More"},
+        headers=headers,
+    ).json()
+    reply2 = httpx.post(
+        f"{a}/chats/{chat_id}/assistant_message",
+        json={
+            "parent_id": prompt2["id"],
+            "model_config_name": MODEL,
+            "sampling_parameters": {"max_new_tokens": 8},
+        },
+        headers=headers,
+    ).json()
+    assert (
+        events(b, f"/chats/{chat_id}/messages/{reply2['id']}/events", headers)[-1]["event_type"] == "message"
+    )
+
+
+def test_stored_rows_are_packed_int32(cluster: tuple[str, str], postgres_url: str) -> None:
+    import asyncpg
+
+    a, _ = cluster
+    headers = login(a, "pg-bob")
+    chat_id = httpx.post(f"{a}/chats", json={}, headers=headers).json()["id"]
+    prompt = httpx.post(
+        f"{a}/chats/{chat_id}/prompter_message", json={"parent_id": None, "content": "x"}, headers=headers
+    ).json()
+    reply = httpx.post(
+        f"{a}/chats/{chat_id}/assistant_message",
+        json={
+            "parent_id": prompt["id"],
+            "model_config_name": MODEL,
+            "sampling_parameters": {"max_new_tokens": 6},
+        },
+        headers=headers,
+    ).json()
+    events(a, f"/chats/{chat_id}/messages/{reply['id']}/events", headers)
+    stored = httpx.get(f"{a}/chats/{chat_id}/messages/{reply['id']}?include=tokens", headers=headers).json()
+
+    async def row() -> Any:
+        conn = await asyncpg.connect(postgres_url.replace("postgresql+asyncpg", "postgresql"))
+        try:
+            return await conn.fetchrow("SELECT * FROM message_tokens WHERE message_id = $1", reply["id"])
+        finally:
+            await conn.close()
+
+    r = asyncio.run(row())
+    assert len(r["completion_ids"]) == 4 * len(stored["completion_token_ids"])
+    assert len(r["logprobs"]) == 4 * len(stored["completion_token_ids"])
+    assert int.from_bytes(r["completion_ids"][:4], "little", signed=True) == stored["completion_token_ids"][0]

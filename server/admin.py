@@ -20,6 +20,7 @@ async def create_user(sessions: SessionFactory, name: str, *, admin: bool = Fals
         user = await s.get(User, name)
         if user is None:
             s.add(User(id=name, display_name=name, provider="apikey", is_admin=admin))
+            await s.flush()  # the key's row references it
         elif admin and not user.is_admin:
             user.is_admin = True
         s.add(ApiKey(user_id=name, key_hash=hash_key(key)))

@@ -38,9 +38,7 @@ def serve(
     database_url: DatabaseUrl = None,
     redis_url: Annotated[
         str | None,
-        typer.Option(
-            help="Redis URL: Redis Streams queue, token fan-out. Env: TOKENTRAIL_REDIS_URL"
-        ),
+        typer.Option(help="Redis URL: Redis Streams queue, token fan-out. Env: TOKENTRAIL_REDIS_URL"),
     ] = None,
     data_dir: DataDir = None,
     allow_debug_auth: Annotated[

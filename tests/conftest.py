@@ -47,13 +47,15 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def embedded_stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[str]:
     """A server on embedded defaults (SQLite, in-process queue) in a thread, with one real worker
-    (hf engine, tiny model) connected over the websocket. Yields the server URL."""
+    (hf engine, tiny model) connected over the websocket. Yields the server URL; the settings
+    (for direct database access) are ``embedded_settings``."""
     from server.settings import ServerSettings
     from tests.stack import MODEL, ServerThread, WorkerThread, free_port, worker_key
     from worker.chat_format import ChatFormat
     from worker.hf_engine import HFEngine
 
     settings = ServerSettings(data_dir=tmp_path_factory.mktemp("data"), port=free_port())
+    _SETTINGS["embedded"] = settings
     server = ServerThread(settings).start()
     fmt = ChatFormat.load(str(tiny_model_dir))
     worker = WorkerThread(
@@ -62,3 +64,11 @@ def embedded_stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Pat
     yield server.url
     worker.stop()
     server.stop()
+
+
+_SETTINGS: dict[str, object] = {}
+
+
+@pytest.fixture(scope="session")
+def embedded_settings(embedded_stack: str) -> object:
+    return _SETTINGS["embedded"]

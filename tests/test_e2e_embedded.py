@@ -32,13 +32,18 @@ def login(url: str, username: str) -> dict[str, str]:
 
 
 def events(
-    url: str, path: str, headers: dict[str, str], last_event_id: int | None = None
+    url: str,
+    path: str,
+    headers: dict[str, str],
+    last_event_id: int | None = None,
+    sink: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Read an SSE stream to its final event; each payload gets the SSE id as ``_id``."""
+    """Read an SSE stream to its final event; each payload gets the SSE id as ``_id``.
+    Payloads are also appended to ``sink`` as they arrive."""
     hdrs = {**headers, "Accept": "text/event-stream"}
     if last_event_id is not None:
         hdrs["Last-Event-ID"] = str(last_event_id)
-    out: list[dict[str, Any]] = []
+    out: list[dict[str, Any]] = sink if sink is not None else []
     with httpx.stream("GET", f"{url}{path}", headers=hdrs, timeout=httpx.Timeout(10, read=60)) as resp:
         assert resp.status_code == 200, resp.read()
         assert resp.headers["content-type"].startswith("text/event-stream")

@@ -71,7 +71,9 @@ def _stop(proc: subprocess.Popen[bytes], name: str) -> None:
 
 
 @contextlib.contextmanager
-def running_stack(data_dir: Path, port: int, model: str, *, quiet: bool) -> Iterator[str]:
+def running_stack(
+    data_dir: Path, port: int, model: str, *, quiet: bool, max_parallel: int = 4
+) -> Iterator[str]:
     """Start server + worker; yield the server URL once the worker's model is offered."""
     from worker.tiny_model import resolve_model
 
@@ -94,7 +96,7 @@ def running_stack(data_dir: Path, port: int, model: str, *, quiet: bool) -> Iter
         typer.echo(f"server up at {url} (database in {data_dir})")
         worker = subprocess.Popen(
             [*py, "worker", "--server-url", url, "--api-key", key, "--model", model_path,
-             "--served-model-name", model, "--max-parallel", "4", "--log-level", "warning"],
+             "--served-model-name", model, "--max-parallel", str(max_parallel), "--log-level", "warning"],
             stdout=out,
             stderr=out,
             env=env,

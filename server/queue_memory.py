@@ -1,0 +1,140 @@
+"""In-process work queue and worker directory: the embedded default for a single server process.
+
+Same semantics as the Redis backends (DESIGN D3): claimed items stay pending, owned by a consumer,
+until ``ack``; ``reclaim`` takes over items whose owner has not touched them for ``min_idle_s``
+(like XAUTOCLAIM), and every hand-out increments ``deliveries``. Plain asyncio, no threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+from server.queue import QueueFull, WorkerEntry, WorkItem
+
+
+@dataclass
+class _Pending:
+    item: WorkItem
+    consumer: str
+    touched: float  # time.monotonic() of the last hand-out or touch
+
+
+@dataclass
+class _ModelQueue:
+    waiting: deque[WorkItem] = field(default_factory=deque)
+    pending: dict[str, _Pending] = field(default_factory=dict)  # delivery_id -> claim, FIFO
+    # Set whenever ``waiting`` gains items; claimers wait on it.
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class MemoryWorkQueue:
+    """Work queue of one process. ``max_queue_size`` bounds waiting plus claimed-unacked items."""
+
+    def __init__(self, max_queue_size: int = 1000) -> None:
+        self.max_queue_size = max_queue_size
+        self._queues: dict[str, _ModelQueue] = {}
+        self._ids = itertools.count(1)
+
+    def _queue(self, model: str) -> _ModelQueue:
+        queue = self._queues.get(model)
+        if queue is None:
+            queue = self._queues[model] = _ModelQueue()
+        return queue
+
+    async def enqueue(self, model: str, message_id: str, attempt: int) -> None:
+        queue = self._queue(model)
+        if len(queue.waiting) + len(queue.pending) >= self.max_queue_size:
+            raise QueueFull(model)
+        delivery_id = f"m-{next(self._ids)}"
+        queue.waiting.append(WorkItem(model, message_id, attempt, delivery_id, deliveries=0))
+        queue.ready.set()
+
+    async def claim(self, model: str, consumer: str, count: int, timeout_s: float) -> list[WorkItem]:
+        queue = self._queue(model)
+        if count <= 0:
+            return []
+        if not queue.waiting and timeout_s > 0:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    while not queue.waiting:
+                        queue.ready.clear()
+                        await queue.ready.wait()
+            except TimeoutError:
+                return []
+        now = time.monotonic()
+        items: list[WorkItem] = []
+        while queue.waiting and len(items) < count:
+            item = queue.waiting.popleft()
+            item = replace(item, deliveries=item.deliveries + 1)
+            queue.pending[item.delivery_id] = _Pending(item, consumer, now)
+            items.append(item)
+        return items
+
+    async def ack(self, item: WorkItem) -> None:
+        queue = self._queues.get(item.model)
+        if queue is not None:
+            queue.pending.pop(item.delivery_id, None)
+
+    async def touch(self, items: list[WorkItem], consumer: str) -> None:
+        now = time.monotonic()
+        for item in items:
+            queue = self._queues.get(item.model)
+            pending = queue.pending.get(item.delivery_id) if queue is not None else None
+            # Only the current owner may refresh: a reclaimed item stays with its new owner.
+            if pending is not None and pending.consumer == consumer:
+                pending.touched = now
+
+    async def reclaim(self, model: str, consumer: str, min_idle_s: float, count: int) -> list[WorkItem]:
+        queue = self._queues.get(model)
+        if queue is None:
+            return []
+        now = time.monotonic()
+        items: list[WorkItem] = []
+        for pending in queue.pending.values():
+            if len(items) >= count:
+                break
+            if now - pending.touched >= min_idle_s:
+                pending.item = replace(pending.item, deliveries=pending.item.deliveries + 1)
+                pending.consumer = consumer
+                pending.touched = now
+                items.append(pending.item)
+        return items
+
+    async def position(self, model: str, message_id: str) -> tuple[int, int]:
+        queue = self._queues.get(model)
+        if queue is None:
+            return 0, 0
+        for ahead, item in enumerate(queue.waiting):
+            if item.message_id == message_id:
+                return ahead, len(queue.waiting)
+        return 0, len(queue.waiting)
+
+    async def close(self) -> None:
+        self._queues.clear()
+
+
+class MemoryWorkerDirectory:
+    """Connected workers of one process; entries vanish ``ttl_s`` after their last refresh."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[WorkerEntry, float]] = {}  # worker_id -> (entry, expires_at)
+
+    async def register(self, entry: WorkerEntry, ttl_s: float) -> None:
+        self._entries[entry.worker_id] = (entry, time.monotonic() + ttl_s)
+
+    async def unregister(self, worker_id: str) -> None:
+        self._entries.pop(worker_id, None)
+
+    async def workers(self) -> list[WorkerEntry]:
+        now = time.monotonic()
+        expired = [worker_id for worker_id, (_, expires) in self._entries.items() if expires <= now]
+        for worker_id in expired:
+            del self._entries[worker_id]
+        return [entry for entry, _ in self._entries.values()]
+
+    async def close(self) -> None:
+        self._entries.clear()

@@ -1,0 +1,133 @@
+"""In-process token streams: the embedded default for a single server process (DESIGN D4).
+
+Each message has a list of batches plus an optional terminal entry; readers blocked in ``read``
+wait on a per-stream event that every append/finish fires. Finished streams are dropped
+``expire_after_s`` after ``finish`` by a lazy sweep that runs on every call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from server.token_stream import StreamConflict, StreamDone, StreamEntry, TokenBatch
+
+
+@dataclass
+class _Stream:
+    batches: list[TokenBatch] = field(default_factory=list)
+    ends: list[int] = field(default_factory=list)  # batches[i].end, ascending, for bisect
+    done: StreamDone | None = None
+    readers: int = 0
+    # Replaced after each change, so all current waiters wake at once.
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def length(self) -> int:
+        return self.ends[-1] if self.ends else 0
+
+    def notify(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    def entries_after(self, after: int) -> list[StreamEntry]:
+        # A batch ending at E holds indices < E: it has something new iff E > after + 1.
+        entries: list[StreamEntry] = list(self.batches[bisect.bisect_right(self.ends, after + 1) :])
+        if self.done is not None:
+            entries.append(self.done)
+        return entries
+
+
+class MemoryTokenStreams:
+    """Token streams of one process; finished ones are forgotten ``expire_after_s`` later."""
+
+    def __init__(self, expire_after_s: float = 300) -> None:
+        self.expire_after_s = expire_after_s
+        self._streams: dict[str, _Stream] = {}
+        # (expires_at, message_id, stream) in finish order; a constant TTL keeps it sorted.
+        self._expiry: deque[tuple[float, str, _Stream]] = deque()
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        while self._expiry and self._expiry[0][0] <= now:
+            _, message_id, stream = self._expiry.popleft()
+            if self._streams.get(message_id) is stream:
+                del self._streams[message_id]
+
+    def _live(self, message_id: str) -> _Stream | None:
+        """The stream if it has any entry (placeholders made by waiting readers don't count)."""
+        self._sweep()
+        stream = self._streams.get(message_id)
+        if stream is None or (not stream.batches and stream.done is None):
+            return None
+        return stream
+
+    def _stream(self, message_id: str) -> _Stream:
+        self._sweep()
+        stream = self._streams.get(message_id)
+        if stream is None:
+            stream = self._streams[message_id] = _Stream()
+        return stream
+
+    async def append(self, message_id: str, batch: TokenBatch) -> None:
+        live = self._live(message_id)
+        length = live.length if live is not None else 0
+        if live is not None and live.done is not None:
+            raise StreamConflict(f"stream {message_id} has finished")
+        if batch.start != length:
+            raise StreamConflict(f"batch starts at {batch.start}, stream {message_id} has {length}")
+        if not batch.token_ids:
+            return  # nothing to add; an entry would not advance the stream
+        stream = self._stream(message_id)
+        stream.batches.append(batch)
+        stream.ends.append(batch.end)
+        stream.notify()
+
+    async def finish(self, message_id: str, done: StreamDone) -> None:
+        stream = self._stream(message_id)
+        if stream.done is not None:
+            return
+        stream.done = done
+        self._expiry.append((time.monotonic() + self.expire_after_s, message_id, stream))
+        stream.notify()
+
+    async def length(self, message_id: str) -> int:
+        stream = self._live(message_id)
+        return stream.length if stream is not None else 0
+
+    async def read(self, message_id: str, after: int, timeout_s: float) -> list[StreamEntry]:
+        stream = self._stream(message_id)
+        entries = stream.entries_after(after)
+        if entries or timeout_s <= 0:
+            self._drop_if_placeholder(message_id, stream)
+            return entries
+        stream.readers += 1
+        try:
+            async with asyncio.timeout(timeout_s):
+                while not entries:
+                    await stream.changed.wait()
+                    entries = stream.entries_after(after)
+        except TimeoutError:
+            pass
+        finally:
+            stream.readers -= 1
+            self._drop_if_placeholder(message_id, stream)
+        return entries
+
+    def _drop_if_placeholder(self, message_id: str, stream: _Stream) -> None:
+        # A read of a stream that never got an entry must not leave it behind.
+        empty = not stream.batches and stream.done is None
+        if empty and stream.readers == 0 and self._streams.get(message_id) is stream:
+            del self._streams[message_id]
+
+    async def exists(self, message_id: str) -> bool:
+        return self._live(message_id) is not None
+
+    async def close(self) -> None:
+        for stream in self._streams.values():
+            stream.notify()
+        self._streams.clear()
+        self._expiry.clear()

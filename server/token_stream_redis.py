@@ -1,0 +1,158 @@
+"""Redis token streams (DESIGN D4): one stream per message, readable by every server process.
+
+Entry IDs are explicit: a batch covering ``[start, end)`` has ID ``0-<end>``, the terminal entry
+``1-0`` sorts after every batch. Batch fields: ``start`` (decimal), ``ids`` (JSON list of ints),
+``logprobs`` (JSON list; non-finite values as the strings ``"-inf"``/``"inf"``/``"nan"`` because
+JSON has no infinities), ``texts`` (JSON list of strings). Terminal fields: ``status`` and, when
+set, ``error`` and ``code``. Appends go through a Lua script, so the length check and the XADD
+are atomic across server processes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import orjson
+from redis.asyncio import Redis
+from redis.typing import EncodableT
+
+from server.constants import TOKEN_STREAM
+from server.queue_redis import max_block_s, stream_entries, text
+from server.token_stream import StreamConflict, StreamDone, StreamEntry, TokenBatch
+
+# ARGV: start, end, ttl ms, field/value pairs. Returns {1, end} or {0, length} (-1: finished).
+_APPEND = """
+local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+local length = 0
+if #top > 0 then
+  local ms, seq = string.match(top[1][1], '^(%d+)-(%d+)$')
+  if ms ~= '0' then return {0, -1} end
+  length = tonumber(seq)
+end
+if length ~= tonumber(ARGV[1]) then return {0, length} end
+if ARGV[2] == ARGV[1] then return {1, length} end
+redis.call('XADD', KEYS[1], '0-' .. ARGV[2], unpack(ARGV, 4))
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return {1, tonumber(ARGV[2])}
+"""
+# ARGV: ttl ms, field/value pairs. A second finish changes nothing.
+_FINISH = """
+local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if #top > 0 and top[1][1] == '1-0' then return 0 end
+redis.call('XADD', KEYS[1], '1-0', unpack(ARGV, 2))
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+_DONE_ID = "1-0"
+
+
+def _encode_logprob(value: float | None) -> float | str | None:
+    return value if value is None or math.isfinite(value) else repr(value)
+
+
+def _decode_logprob(value: float | str | None) -> float | None:
+    return float(value) if isinstance(value, str | int) else value
+
+
+def _encode_batch(batch: TokenBatch) -> list[EncodableT]:
+    return [
+        "start",
+        str(batch.start),
+        "ids",
+        orjson.dumps(batch.token_ids),
+        "logprobs",
+        orjson.dumps([_encode_logprob(lp) for lp in batch.logprobs]),
+        "texts",
+        orjson.dumps(batch.texts),
+    ]
+
+
+def _decode_entry(entry_id: bytes | str, raw: Any) -> StreamEntry:
+    fields = {text(k): v for k, v in raw.items()}
+    if text(entry_id) == _DONE_ID:
+        error, code = fields.get("error"), fields.get("code")
+        return StreamDone(
+            status="error" if text(fields["status"]) == "error" else "complete",
+            error=text(error) if error is not None else None,
+            code=text(code) if code is not None else None,
+        )
+    return TokenBatch(
+        start=int(fields["start"]),
+        token_ids=orjson.loads(fields["ids"]),
+        logprobs=[_decode_logprob(lp) for lp in orjson.loads(fields["logprobs"])],
+        texts=orjson.loads(fields["texts"]),
+    )
+
+
+class RedisTokenStreams:
+    """Token streams shared by all server processes.
+
+    Works with clients created either way (``decode_responses`` True or False). The client
+    belongs to the caller; ``close`` leaves it open.
+
+    Each reader waiting in ``read`` holds one pooled connection for up to ``max_block_s`` per
+    XREAD. redis-py 8's default pool allows 100 connections and raises ``MaxConnectionsError``
+    beyond that (no deadlock, but failed reads). Size ``max_connections`` to at least concurrent
+    SSE readers + blocked claimers + ~20 for everything else. A ``BlockingConnectionPool`` that
+    is too small makes excess callers wait instead of fail, but appends then queue behind
+    blocked readers for seconds, so give readers a client of their own if you cap the pool.
+
+    ``idle_expire_s`` is a safety net: a stream that never finishes (its server died and
+    recovery never ran) still expires that long after its last append.
+    """
+
+    def __init__(self, redis: Redis, expire_after_s: float = 300, *, idle_expire_s: float = 86400) -> None:
+        self.redis = redis
+        self.expire_after_s = expire_after_s
+        self.idle_expire_s = idle_expire_s
+        self._append = redis.register_script(_APPEND)
+        self._finish = redis.register_script(_FINISH)
+        self._block_s = max_block_s(redis)
+
+    async def append(self, message_id: str, batch: TokenBatch) -> None:
+        ttl_ms = int(self.idle_expire_s * 1000)
+        args: list[EncodableT] = [batch.start, batch.end, ttl_ms, *_encode_batch(batch)]
+        ok, length = await self._append(keys=[TOKEN_STREAM.format(message_id=message_id)], args=args)
+        if not ok:
+            if length < 0:
+                raise StreamConflict(f"stream {message_id} has finished")
+            raise StreamConflict(f"batch starts at {batch.start}, stream {message_id} has {length}")
+
+    async def finish(self, message_id: str, done: StreamDone) -> None:
+        fields: list[str] = ["status", done.status]
+        if done.error is not None:
+            fields += ["error", done.error]
+        if done.code is not None:
+            fields += ["code", done.code]
+        args: list[EncodableT] = [int(self.expire_after_s * 1000), *fields]
+        await self._finish(keys=[TOKEN_STREAM.format(message_id=message_id)], args=args)
+
+    async def length(self, message_id: str) -> int:
+        # The newest entry below the terminal one holds the length in its ID.
+        top: Any = await self.redis.xrevrange(
+            TOKEN_STREAM.format(message_id=message_id), "(" + _DONE_ID, "-", 1
+        )
+        return int(text(top[0][0]).split("-")[1]) if top else 0
+
+    async def read(self, message_id: str, after: int, timeout_s: float) -> list[StreamEntry]:
+        key = TOKEN_STREAM.format(message_id=message_id)
+        # A batch with ID 0-E holds indices < E: it has something new iff E > after + 1.
+        last_id = f"0-{max(after, -1) + 1}"
+        raw: list[Any] = await self.redis.xrange(key, "(" + last_id, "+") or []
+        deadline = time.monotonic() + timeout_s
+        while not raw:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0.001:  # BLOCK 0 would wait forever
+                return []
+            block_ms = max(int(min(remaining, self._block_s) * 1000), 1)
+            # XREAD from an explicit ID: nothing appended since the XRANGE can slip by.
+            raw = stream_entries(await self.redis.xread({key: last_id}, block=block_ms))
+        return [_decode_entry(entry_id, fields) for entry_id, fields in raw]
+
+    async def exists(self, message_id: str) -> bool:
+        return bool(await self.redis.exists(TOKEN_STREAM.format(message_id=message_id)))
+
+    async def close(self) -> None:
+        pass

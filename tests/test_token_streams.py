@@ -1,0 +1,233 @@
+"""TokenStreams contract, run against the memory and the Redis backends."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+from redis.asyncio import Redis
+
+from server.constants import TOKEN_STREAM
+from server.token_stream import StreamConflict, StreamDone, StreamEntry, TokenBatch, TokenStreams
+from server.token_stream_memory import MemoryTokenStreams
+from server.token_stream_redis import RedisTokenStreams
+
+StreamsFactory = Callable[..., TokenStreams]
+
+
+@pytest.fixture(params=["memory", "redis", "redis-decoded"])
+async def make_streams(request: pytest.FixtureRequest) -> AsyncIterator[StreamsFactory]:
+    clients: list[Redis] = []
+    made: list[TokenStreams] = []
+
+    def make(expire_after_s: float = 300, **client_kwargs: object) -> TokenStreams:
+        streams: TokenStreams
+        if request.param == "memory":
+            streams = MemoryTokenStreams(expire_after_s)
+        else:
+            url = request.getfixturevalue("redis_url")
+            decode = request.param == "redis-decoded"
+            clients.append(Redis.from_url(url, decode_responses=decode, **client_kwargs))  # type: ignore[arg-type]
+            streams = RedisTokenStreams(clients[-1], expire_after_s)
+        made.append(streams)
+        return streams
+
+    yield make
+    for streams in made:
+        await streams.close()
+    for client in clients:
+        await client.aclose()
+
+
+@pytest.fixture
+def streams(make_streams: StreamsFactory) -> TokenStreams:
+    return make_streams()
+
+
+@pytest.fixture
+def mid() -> str:
+    return f"msg-{uuid.uuid4().hex[:8]}"
+
+
+def batch(start: int, n: int, logprob: float | None = -0.5) -> TokenBatch:
+    ids = list(range(100 + start, 100 + start + n))
+    return TokenBatch(start, ids, [logprob] * n, [f"<{i}>" for i in ids])
+
+
+def starts(entries: list[StreamEntry]) -> list[int | str]:
+    return [e.start if isinstance(e, TokenBatch) else type(e).__name__ for e in entries]
+
+
+async def test_append_and_read_from_any_position(streams: TokenStreams, mid: str) -> None:
+    for b in (batch(0, 3), batch(3, 2), batch(5, 1)):
+        await streams.append(mid, b)
+    assert await streams.read(mid, after=-1, timeout_s=0) == [batch(0, 3), batch(3, 2), batch(5, 1)]
+    assert starts(await streams.read(mid, after=1, timeout_s=0)) == [0, 3, 5]  # mid-batch
+    assert starts(await streams.read(mid, after=2, timeout_s=0)) == [3, 5]
+    assert starts(await streams.read(mid, after=3, timeout_s=0)) == [3, 5]
+    assert starts(await streams.read(mid, after=4, timeout_s=0)) == [5]
+    assert await streams.read(mid, after=5, timeout_s=0) == []
+    assert await streams.length(mid) == 6
+    assert await streams.exists(mid)
+
+
+async def test_missing_stream(streams: TokenStreams, mid: str) -> None:
+    assert await streams.length(mid) == 0
+    assert not await streams.exists(mid)
+    assert await streams.read(mid, after=-1, timeout_s=0) == []
+    assert await streams.read(mid, after=-1, timeout_s=0.05) == []
+    assert not await streams.exists(mid)  # a waiting reader leaves nothing behind
+
+
+async def test_duplicate_gap_and_reorder_rejected(streams: TokenStreams, mid: str) -> None:
+    with pytest.raises(StreamConflict):
+        await streams.append(mid, batch(1, 2))  # must start at 0
+    await streams.append(mid, batch(0, 3))
+    with pytest.raises(StreamConflict):
+        await streams.append(mid, batch(0, 3))  # republished
+    with pytest.raises(StreamConflict):
+        await streams.append(mid, batch(2, 3))  # overlaps
+    with pytest.raises(StreamConflict):
+        await streams.append(mid, batch(5, 1))  # gap
+    await streams.append(mid, batch(3, 0))  # empty batch at the end: no-op
+    await streams.append(mid, batch(3, 1))
+    assert starts(await streams.read(mid, after=-1, timeout_s=0)) == [0, 3]
+
+
+async def test_blocked_reader_wakes_on_append(streams: TokenStreams, mid: str) -> None:
+    await streams.append(mid, batch(0, 2))
+    started = time.monotonic()
+    task = asyncio.create_task(streams.read(mid, after=1, timeout_s=5))
+    await asyncio.sleep(0.1)
+    assert not task.done()
+    await streams.append(mid, batch(2, 2))
+    assert await task == [batch(2, 2)]
+    assert time.monotonic() - started < 1.5
+
+
+async def test_cancelled_reader_leaves_streams_usable(streams: TokenStreams, mid: str) -> None:
+    # An SSE client that disconnects cancels its reader in the middle of a blocking read.
+    task = asyncio.create_task(streams.read(mid, after=-1, timeout_s=5))
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not await streams.exists(mid)
+    await streams.append(mid, batch(0, 2))
+    assert await streams.read(mid, after=-1, timeout_s=1) == [batch(0, 2)]
+
+
+async def test_read_times_out(streams: TokenStreams, mid: str) -> None:
+    await streams.append(mid, batch(0, 1))
+    started = time.monotonic()
+    assert await streams.read(mid, after=0, timeout_s=0.3) == []
+    assert 0.25 <= time.monotonic() - started < 2
+
+
+async def test_read_waits_longer_than_socket_timeout(make_streams: StreamsFactory, mid: str) -> None:
+    streams = make_streams(socket_timeout=0.5)
+    started = time.monotonic()
+    assert await streams.read(mid, after=-1, timeout_s=1.2) == []
+    assert 1.1 <= time.monotonic() - started < 3
+
+
+async def _follow(streams: TokenStreams, mid: str) -> tuple[list[int], StreamDone]:
+    tokens: list[int] = []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for entry in await streams.read(mid, after=len(tokens) - 1, timeout_s=5):
+            if isinstance(entry, StreamDone):
+                return tokens, entry
+            assert isinstance(entry, TokenBatch)
+            tokens.extend(entry.token_ids[len(tokens) - entry.start :])
+    raise AssertionError(f"no terminal entry after {len(tokens)} tokens")
+
+
+async def test_concurrent_readers_see_every_token(make_streams: StreamsFactory, mid: str) -> None:
+    writer = make_streams()
+    # Redis: a reader on another client, as another server process would be.
+    reader = writer if isinstance(writer, MemoryTokenStreams) else make_streams()
+    readers = [asyncio.create_task(_follow(s, mid)) for s in (writer, reader, reader)]
+    expected: list[int] = []
+    for i in range(30):
+        b = batch(len(expected), 1 + i % 3)
+        await writer.append(mid, b)
+        expected += b.token_ids
+        await asyncio.sleep(0.005 * (i % 2))
+    await writer.finish(mid, StreamDone("complete"))
+    for tokens, done in await asyncio.gather(*readers):
+        assert tokens == expected
+        assert done == StreamDone("complete")
+
+
+async def test_many_blocked_readers_on_default_pool(make_streams: StreamsFactory, mid: str) -> None:
+    streams = make_streams()
+    readers = [asyncio.create_task(streams.read(mid, after=-1, timeout_s=5)) for _ in range(50)]
+    await asyncio.sleep(0.2)
+    await streams.append(mid, batch(0, 1))
+    assert all(r == [batch(0, 1)] for r in await asyncio.gather(*readers))
+
+
+async def test_finish_then_read_returns_done(streams: TokenStreams, mid: str) -> None:
+    await streams.append(mid, batch(0, 2))
+    await streams.finish(mid, StreamDone("error", error="worker lost", code="WORKER_LOST"))
+    done = StreamDone("error", error="worker lost", code="WORKER_LOST")
+    assert await streams.read(mid, after=-1, timeout_s=0) == [batch(0, 2), done]
+    assert await streams.read(mid, after=1, timeout_s=5) == [done]
+    with pytest.raises(StreamConflict):
+        await streams.append(mid, batch(2, 1))
+    assert await streams.length(mid) == 2
+
+
+async def test_finish_wakes_reader_and_is_idempotent(streams: TokenStreams, mid: str) -> None:
+    task = asyncio.create_task(streams.read(mid, after=-1, timeout_s=5))
+    await asyncio.sleep(0.1)
+    await streams.finish(mid, StreamDone("complete"))
+    assert await task == [StreamDone("complete")]
+    await streams.finish(mid, StreamDone("error", error="late"))
+    assert await streams.read(mid, after=-1, timeout_s=0) == [StreamDone("complete")]
+    assert await streams.exists(mid)
+    assert await streams.length(mid) == 0
+
+
+async def test_logprobs_round_trip(streams: TokenStreams, mid: str) -> None:
+    logprobs = [-math.inf, None, -0.0, -1.2345678806304932, 0.0, -1e-30]
+    b = TokenBatch(0, [1, 2, 3, 4, 5, 6], logprobs, ["a", "é", "\n", "", "🙂", '"'])
+    await streams.append(mid, b)
+    [got] = await streams.read(mid, after=-1, timeout_s=0)
+    assert got == b
+    assert isinstance(got, TokenBatch) and got.logprobs[0] == -math.inf
+
+
+async def test_finished_stream_expires(make_streams: StreamsFactory, mid: str) -> None:
+    streams = make_streams(expire_after_s=0.3)
+    await streams.append(mid, batch(0, 1))
+    await streams.finish(mid, StreamDone("complete"))
+    assert await streams.exists(mid)
+    await asyncio.sleep(0.5)
+    assert not await streams.exists(mid)
+    assert await streams.length(mid) == 0
+
+
+async def test_redis_finish_sets_ttl(redis_url: str, mid: str) -> None:
+    async with Redis.from_url(redis_url) as client:
+        streams = RedisTokenStreams(client, expire_after_s=120)
+        await streams.append(mid, batch(0, 1))
+        await streams.finish(mid, StreamDone("complete"))
+        assert 110_000 < await client.pttl(TOKEN_STREAM.format(message_id=mid)) <= 120_000
+
+
+async def test_redis_concurrent_appends_from_two_clients(redis_url: str, mid: str) -> None:
+    async with Redis.from_url(redis_url) as one, Redis.from_url(redis_url) as two:
+        a, b = RedisTokenStreams(one), RedisTokenStreams(two)
+        for round_ in range(20):
+            results = await asyncio.gather(
+                a.append(mid, batch(round_, 1)), b.append(mid, batch(round_, 1)), return_exceptions=True
+            )
+            assert sorted(type(r).__name__ for r in results) == ["NoneType", "StreamConflict"]
+        assert await a.length(mid) == 20
+        assert starts(await b.read(mid, after=-1, timeout_s=0)) == list(range(20))

@@ -1,0 +1,226 @@
+"""WorkQueue and WorkerDirectory contract, run against the memory and the Redis backends."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+from redis.asyncio import Redis
+
+from server.queue import QueueFull, WorkerDirectory, WorkerEntry, WorkQueue
+from server.queue_memory import MemoryWorkerDirectory, MemoryWorkQueue
+from server.queue_redis import RedisWorkerDirectory, RedisWorkQueue
+
+BACKENDS = ["memory", "redis", "redis-decoded"]
+QueueFactory = Callable[..., WorkQueue]
+
+
+@pytest.fixture(params=BACKENDS)
+async def make_queue(request: pytest.FixtureRequest) -> AsyncIterator[QueueFactory]:
+    clients: list[Redis] = []
+    queues: list[WorkQueue] = []
+
+    def make(max_queue_size: int = 1000, **client_kwargs: object) -> WorkQueue:
+        queue: WorkQueue
+        if request.param == "memory":
+            queue = MemoryWorkQueue(max_queue_size)
+        else:
+            decode = request.param == "redis-decoded"
+            url = request.getfixturevalue("redis_url")
+            clients.append(Redis.from_url(url, decode_responses=decode, **client_kwargs))  # type: ignore[arg-type]
+            queue = RedisWorkQueue(clients[-1], max_queue_size)
+        queues.append(queue)
+        return queue
+
+    yield make
+    for queue in queues:
+        await queue.close()
+    for client in clients:
+        await client.aclose()
+
+
+@pytest.fixture
+def model() -> str:
+    return f"model-{uuid.uuid4().hex[:8]}"
+
+
+async def test_claim_is_fifo(make_queue: QueueFactory, model: str) -> None:
+    queue = make_queue()
+    for i in range(3):
+        await queue.enqueue(model, f"msg-{i}", attempt=i + 1)
+    items = await queue.claim(model, "c1", count=10, timeout_s=0)
+    assert [(it.message_id, it.attempt, it.deliveries) for it in items] == [
+        ("msg-0", 1, 1),
+        ("msg-1", 2, 1),
+        ("msg-2", 3, 1),
+    ]
+    assert all(it.model == model for it in items)
+    assert len({it.delivery_id for it in items}) == 3
+
+
+async def test_claim_respects_count_and_times_out(make_queue: QueueFactory, model: str) -> None:
+    queue = make_queue()
+    for i in range(3):
+        await queue.enqueue(model, f"msg-{i}", 1)
+    assert len(await queue.claim(model, "c1", count=2, timeout_s=1)) == 2
+    assert [it.message_id for it in await queue.claim(model, "c1", count=5, timeout_s=1)] == ["msg-2"]
+    started = time.monotonic()
+    assert await queue.claim(model, "c1", count=1, timeout_s=0.3) == []
+    assert 0.25 <= time.monotonic() - started < 2
+
+
+async def test_blocked_claim_wakes_on_enqueue(make_queue: QueueFactory, model: str) -> None:
+    queue = make_queue()
+    started = time.monotonic()
+    task = asyncio.create_task(queue.claim(model, "c1", count=1, timeout_s=5))
+    await asyncio.sleep(0.1)
+    await queue.enqueue(model, "msg-0", 1)
+    items = await task
+    assert [it.message_id for it in items] == ["msg-0"]
+    assert time.monotonic() - started < 2
+
+
+async def test_claim_waits_longer_than_socket_timeout(make_queue: QueueFactory, model: str) -> None:
+    # redis-py 8 applies socket_timeout to blocking commands: long waits must be split.
+    queue = make_queue(socket_timeout=0.5)
+    started = time.monotonic()
+    assert await queue.claim(model, "c1", count=1, timeout_s=1.2) == []
+    assert 1.1 <= time.monotonic() - started < 3
+
+
+async def test_ack_removes(make_queue: QueueFactory, model: str) -> None:
+    queue = make_queue(max_queue_size=1)
+    await queue.enqueue(model, "msg-0", 1)
+    [item] = await queue.claim(model, "c1", count=1, timeout_s=0)
+    await queue.ack(item)
+    assert await queue.reclaim(model, "c2", min_idle_s=0, count=10) == []
+    await queue.enqueue(model, "msg-1", 1)  # the acked item no longer takes room
+
+
+async def test_unacked_items_are_reclaimed(make_queue: QueueFactory, model: str) -> None:
+    queue = make_queue()
+    await queue.enqueue(model, "msg-0", 7)
+    [item] = await queue.claim(model, "dead", count=1, timeout_s=0)
+    assert await queue.reclaim(model, "c2", min_idle_s=5, count=10) == []
+    await asyncio.sleep(0.3)
+    [again] = await queue.reclaim(model, "c2", min_idle_s=0.2, count=10)
+    assert (again.message_id, again.attempt, again.deliveries) == ("msg-0", 7, 2)
+    assert again.delivery_id == item.delivery_id
+    assert await queue.reclaim(model, "c3", min_idle_s=0.2, count=10) == []  # freshly claimed
+    await queue.ack(again)
+    await asyncio.sleep(0.3)
+    assert await queue.reclaim(model, "c3", min_idle_s=0.2, count=10) == []
+
+
+async def test_touch_prevents_reclaim(make_queue: QueueFactory, model: str) -> None:
+    queue = make_queue()
+    await queue.enqueue(model, "msg-0", 1)
+    items = await queue.claim(model, "c1", count=1, timeout_s=0)
+    for _ in range(3):
+        await asyncio.sleep(0.15)
+        await queue.touch(items, "c1")
+        assert await queue.reclaim(model, "c2", min_idle_s=0.25, count=10) == []
+    await asyncio.sleep(0.3)
+    [taken] = await queue.reclaim(model, "c2", min_idle_s=0.25, count=10)
+    assert taken.deliveries == 2
+    # The former owner's touch must not take the item back or keep it alive.
+    await asyncio.sleep(0.3)
+    await queue.touch(items, "c1")
+    [taken] = await queue.reclaim(model, "c3", min_idle_s=0.25, count=10)
+    assert taken.deliveries == 3
+
+
+async def test_reclaim_respects_count(make_queue: QueueFactory, model: str) -> None:
+    queue = make_queue()
+    for i in range(5):
+        await queue.enqueue(model, f"msg-{i}", 1)
+    await queue.claim(model, "dead", count=5, timeout_s=0)
+    await asyncio.sleep(0.15)
+    first = await queue.reclaim(model, "c2", min_idle_s=0.1, count=3)
+    rest = await queue.reclaim(model, "c3", min_idle_s=0.1, count=3)
+    assert [it.message_id for it in first + rest] == [f"msg-{i}" for i in range(5)]
+
+
+async def test_queue_full(make_queue: QueueFactory, model: str) -> None:
+    queue = make_queue(max_queue_size=3)
+    for i in range(3):
+        await queue.enqueue(model, f"msg-{i}", 1)
+    with pytest.raises(QueueFull):
+        await queue.enqueue(model, "msg-3", 1)
+    [item] = await queue.claim(model, "c1", count=1, timeout_s=0)
+    with pytest.raises(QueueFull):  # claimed but unacked still counts
+        await queue.enqueue(model, "msg-3", 1)
+    await queue.ack(item)
+    await queue.enqueue(model, "msg-3", 1)
+    await queue.enqueue(f"{model}-other", "msg-x", 1)  # limits are per model
+
+
+async def test_position_and_size(make_queue: QueueFactory, model: str) -> None:
+    queue = make_queue()
+    for i in range(4):
+        await queue.enqueue(model, f"msg-{i}", 1)
+    assert await queue.position(model, "msg-0") == (0, 4)
+    assert await queue.position(model, "msg-2") == (2, 4)
+    await queue.claim(model, "c1", count=1, timeout_s=0)
+    assert await queue.position(model, "msg-2") == (1, 3)
+    assert await queue.position(model, "msg-0") == (0, 3)  # dequeued
+    await queue.claim(model, "c1", count=3, timeout_s=0)
+    assert await queue.position(model, "msg-3") == (0, 0)
+    assert await queue.position(model, "unknown") == (0, 0)
+
+
+async def test_two_queues_share_redis_without_duplicates(redis_url: str, model: str) -> None:
+    clients = [Redis.from_url(redis_url) for _ in range(2)]
+    queues = [RedisWorkQueue(client) for client in clients]
+    try:
+        for i in range(20):
+            await queues[i % 2].enqueue(model, f"msg-{i}", 1)
+        batches = await asyncio.gather(
+            *(
+                q.claim(model, f"c{n}-{k}", count=3, timeout_s=0.2)
+                for k in range(5)
+                for n, q in enumerate(queues)
+            )
+        )
+        ids = [it.message_id for batch in batches for it in batch]
+        assert sorted(ids) == sorted(f"msg-{i}" for i in range(20))
+    finally:
+        for client in clients:
+            await client.aclose()
+
+
+@pytest.fixture(params=BACKENDS)
+async def directory(request: pytest.FixtureRequest) -> AsyncIterator[WorkerDirectory]:
+    if request.param == "memory":
+        yield MemoryWorkerDirectory()
+        return
+    client = Redis.from_url(request.getfixturevalue("redis_url"), decode_responses=request.param != "redis")
+    yield RedisWorkerDirectory(client)
+    await client.aclose()
+
+
+def _entry(worker_id: str, capacity: int = 4) -> WorkerEntry:
+    return WorkerEntry(worker_id, "llama", "hash-1", "hf", max_context=None, capacity=capacity)
+
+
+async def test_directory_register_unregister_expire(directory: WorkerDirectory) -> None:
+    a, b, c = (f"w-{uuid.uuid4().hex[:8]}" for _ in range(3))
+
+    async def mine() -> dict[str, WorkerEntry]:
+        return {w.worker_id: w for w in await directory.workers() if w.worker_id in (a, b, c)}
+
+    await directory.register(_entry(a), ttl_s=30)
+    await directory.register(_entry(b), ttl_s=30)
+    await directory.register(_entry(c), ttl_s=0.2)
+    assert set(await mine()) == {a, b, c}
+    await directory.register(_entry(a, capacity=8), ttl_s=30)  # refresh replaces the entry
+    assert (await mine())[a] == _entry(a, capacity=8)
+    await directory.unregister(b)
+    await asyncio.sleep(0.3)
+    assert set(await mine()) == {a}
+    await directory.register(_entry(c), ttl_s=30)  # a worker may come back
+    assert set(await mine()) == {a, c}
+    await directory.unregister("never-registered")

@@ -5,8 +5,7 @@ from __future__ import annotations
 import secrets
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Request
-from pydantic import BaseModel, Field
+from fastapi import APIRouter, Header, Query, Request, Response
 from sse_starlette import EventSourceResponse
 
 from server.deps import RepoDep, StateDep
@@ -18,12 +17,15 @@ from shared.api import (
     MAX_CONTENT_CHARS,
     ChatListRead,
     ChatRead,
+    ChatUpdateRequest,
     CreateAssistantMessageRequest,
     CreateChatRequest,
     CreatePrompterMessageRequest,
+    CreateToolMessageRequest,
     ListChatsResponse,
     MessageRead,
     ModelConfigRead,
+    VoteRequest,
 )
 from shared.errors import ErrorCode
 
@@ -63,8 +65,9 @@ async def list_chats(
 
 
 @router.post("")
-async def create_chat(repo: RepoDep, _request: CreateChatRequest | None = None) -> ChatListRead:
-    return chat_to_list_read(await repo.create_chat())
+async def create_chat(repo: RepoDep, body: CreateChatRequest | None = None) -> ChatListRead:
+    body = body or CreateChatRequest()
+    return chat_to_list_read(await repo.create_chat(system_prompt=body.system_prompt, tools=body.tools))
 
 
 @router.get("/{chat_id}")
@@ -72,28 +75,33 @@ async def get_chat(chat_id: str, repo: RepoDep) -> ChatRead:
     return await repo.chat_read(chat_id)
 
 
-class ChatUpdateRequest(BaseModel):
-    title: Annotated[str, Field(max_length=256)] | None = None
-    hidden: bool | None = None
-    allow_data_use: bool | None = None
-
-
 @router.put("/{chat_id}")
 async def update_chat(chat_id: str, body: ChatUpdateRequest, repo: RepoDep) -> ChatListRead:
-    fields = body.model_dump(exclude_none=True)
+    # title, system prompt and tools can be cleared with null; the flags cannot
+    nullable = {"title", "system_prompt", "tools"}
+    fields = {k: v for k, v in body.model_dump(exclude_unset=True).items() if v is not None or k in nullable}
     return chat_to_list_read(await repo.update_chat(chat_id, fields))
 
 
 @router.post("/{chat_id}/prompter_message")
-async def create_prompter_message(
-    chat_id: str, body: CreatePrompterMessageRequest, repo: RepoDep
-) -> MessageRead:
+async def create_prompter_message(chat_id: str, body: CreatePrompterMessageRequest, repo: RepoDep) -> MessageRead:
     if len(body.content) > MAX_CONTENT_CHARS:
         raise ApiError(
             ErrorCode.content_too_long,
             f"content has {len(body.content)} characters; the limit is {MAX_CONTENT_CHARS}",
         )
     return message_to_read(await repo.add_prompter_message(chat_id, body.parent_id, body.content))
+
+
+@router.post("/{chat_id}/tool_message")
+async def create_tool_message(chat_id: str, body: CreateToolMessageRequest, repo: RepoDep) -> MessageRead:
+    """A tool's result for one call of the assistant message (or tool result) it follows."""
+    if len(body.content) > MAX_CONTENT_CHARS:
+        raise ApiError(
+            ErrorCode.content_too_long,
+            f"content has {len(body.content)} characters; the limit is {MAX_CONTENT_CHARS}",
+        )
+    return message_to_read(await repo.add_tool_message(chat_id, body.parent_id, body.tool_call_id, body.content))
 
 
 @router.post("/{chat_id}/assistant_message")
@@ -133,6 +141,13 @@ async def get_message(
     if "tokens" in includes and tokens is None:
         read.prompt_token_ids, read.completion_token_ids, read.logprobs = [], [], []
     return read
+
+
+@router.post("/{chat_id}/messages/{message_id}/votes")
+async def vote(chat_id: str, message_id: str, body: VoteRequest, repo: RepoDep) -> Response:
+    """OA's vote (-1, 0 or 1); exports use it as the turn's reward."""
+    await repo.vote(chat_id, message_id, body.score)
+    return Response(status_code=200)
 
 
 @router.get("/{chat_id}/messages/{message_id}/events")

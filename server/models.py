@@ -90,6 +90,9 @@ class Chat(Base):
     hidden: Mapped[bool] = mapped_column(Boolean, default=False)
     allow_data_use: Mapped[bool] = mapped_column(Boolean, default=True)
     active_thread_tail_message_id: Mapped[str | None] = mapped_column(String(36), default=None)
+    # Snapshotted into each assistant message's work parameters; a change forks later turns.
+    system_prompt: Mapped[str | None] = mapped_column(Text, default=None)
+    tools: Mapped[list[Any] | None] = mapped_column(JSON, default=None)
 
 
 class Message(Base):
@@ -99,12 +102,17 @@ class Message(Base):
     id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
     chat_id: Mapped[str] = mapped_column(ForeignKey("chats.id", ondelete="CASCADE"))
     parent_id: Mapped[str | None] = mapped_column(ForeignKey("messages.id"), default=None, index=True)
-    role: Mapped[str] = mapped_column(String(16))  # "prompter" | "assistant"
+    role: Mapped[str] = mapped_column(String(16))  # "prompter" | "assistant" | "tool"
     content: Mapped[str | None] = mapped_column(Text, default=None)
+    tool_call_id: Mapped[str | None] = mapped_column(String(128), default=None)  # tool results
+    # parsed from an assistant message's tokens, for clients only (never re-rendered)
+    reasoning_content: Mapped[str | None] = mapped_column(Text, default=None)
+    tool_calls: Mapped[list[Any] | None] = mapped_column(JSON, default=None)
     state: Mapped[str] = mapped_column(String(32))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     modified_at: Mapped[datetime] = mapped_column(default=utcnow)
     score: Mapped[int] = mapped_column(Integer, default=0)
+    voted_at: Mapped[datetime | None] = mapped_column(default=None)  # set by a vote: score 0 is then a rating
     # assistant messages only
     model_config_name: Mapped[str | None] = mapped_column(String(256), default=None)
     work_parameters: Mapped[dict[str, Any] | None] = mapped_column(default=None)
@@ -126,7 +134,8 @@ class MessageTokens(Base):
     prompt_ids: Mapped[bytes] = mapped_column(LargeBinary)
     completion_ids: Mapped[bytes] = mapped_column(LargeBinary)
     logprobs: Mapped[bytes] = mapped_column(LargeBinary)
-    text_offsets: Mapped[bytes] = mapped_column(LargeBinary)
+    text_offsets: Mapped[bytes] = mapped_column(LargeBinary)  # into completion_text
+    completion_text: Mapped[str] = mapped_column(Text, default="", server_default="")
     finish_reason: Mapped[str] = mapped_column(String(16))
     stop_reason: Mapped[str | None] = mapped_column(String(256), default=None)
     engine: Mapped[str] = mapped_column(String(32))

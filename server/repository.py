@@ -49,8 +49,11 @@ def message_to_read(msg: Message, tokens: MessageTokens | None = None) -> Messag
         content=msg.content,
         chat_id=msg.chat_id,
         created_at=msg.created_at,
-        role="assistant" if msg.role == "assistant" else "prompter",
+        role=msg.role,
         state=MessageState(msg.state),
+        tool_call_id=msg.tool_call_id,
+        reasoning_content=msg.reasoning_content,
+        tool_calls=msg.tool_calls,
         score=msg.score,
         work_parameters=work,
         error=msg.error,
@@ -64,6 +67,10 @@ def message_to_read(msg: Message, tokens: MessageTokens | None = None) -> Messag
         read.completion_token_ids = unpack_ids(tokens.completion_ids)
         read.logprobs = [None if lp != lp else lp for lp in unpack_floats(tokens.logprobs)]
         read.stop_reason = decode_stop_reason(tokens.stop_reason)
+        read.prior_message_id = tokens.prior_message_id
+        read.reused_prefix_len = tokens.reused_prefix_len
+        read.synthetic_token_count = tokens.synthetic_token_count
+        read.fork = tokens.fork
     return read
 
 
@@ -89,6 +96,8 @@ def chat_to_list_read(chat: Chat) -> ChatListRead:
         hidden=chat.hidden,
         allow_data_use=chat.allow_data_use,
         active_thread_tail_message_id=chat.active_thread_tail_message_id,
+        system_prompt=chat.system_prompt,
+        tools=chat.tools,
     )
 
 
@@ -97,8 +106,8 @@ class ChatRepository:
         self.session = session
         self.user = user
 
-    async def create_chat(self) -> Chat:
-        chat = Chat(user_id=self.user.id)
+    async def create_chat(self, *, system_prompt: str | None = None, tools: list[Any] | None = None) -> Chat:
+        chat = Chat(user_id=self.user.id, system_prompt=system_prompt, tools=tools)
         self.session.add(chat)
         await self.session.commit()
         return chat
@@ -123,9 +132,7 @@ class ChatRepository:
         if before_id is not None:
             rows.reverse()
         next_cursor = encode_cursor(rows[-1].id) if rows and (more or before_id is not None) else None
-        prev_cursor = (
-            encode_cursor(rows[0].id) if rows and (after_id is not None or (before_id and more)) else None
-        )
+        prev_cursor = encode_cursor(rows[0].id) if rows and (after_id is not None or (before_id and more)) else None
         return rows, next_cursor, prev_cursor
 
     async def get_chat(self, chat_id: str) -> Chat:
@@ -143,9 +150,7 @@ class ChatRepository:
 
     async def get_message(self, chat_id: str, message_id: str) -> Message:
         await self.get_chat(chat_id)
-        msg = await self.session.scalar(
-            select(Message).where(Message.id == message_id, Message.chat_id == chat_id)
-        )
+        msg = await self.session.scalar(select(Message).where(Message.id == message_id, Message.chat_id == chat_id))
         if msg is None:
             raise ApiError(ErrorCode.message_not_found, f"message {message_id} not found in chat {chat_id}")
         return msg
@@ -158,16 +163,10 @@ class ChatRepository:
         if parent_id is not None:
             parent = await self.get_message(chat_id, parent_id)
             if parent.role != "assistant":
-                raise ApiError(
-                    ErrorCode.parent_wrong_role, "a prompter message must follow an assistant message"
-                )
+                raise ApiError(ErrorCode.parent_wrong_role, "a prompter message must follow an assistant message")
             if parent.state != MessageState.complete:
-                raise ApiError(
-                    ErrorCode.parent_not_complete, f"parent message is {parent.state}, not complete"
-                )
-        msg = Message(
-            chat_id=chat.id, parent_id=parent_id, role="prompter", content=content, state=MessageState.manual
-        )
+                raise ApiError(ErrorCode.parent_not_complete, f"parent message is {parent.state}, not complete")
+        msg = Message(chat_id=chat.id, parent_id=parent_id, role="prompter", content=content, state=MessageState.manual)
         self._touch(chat, msg)
         self.session.add(msg)
         await self.session.commit()
@@ -178,9 +177,18 @@ class ChatRepository:
     ) -> Message:
         chat = await self.get_chat(chat_id)
         parent = await self.get_message(chat_id, parent_id)
-        if parent.role != "prompter":
-            raise ApiError(ErrorCode.parent_wrong_role, "an assistant message must follow a prompter message")
-        work = WorkParameters(model_config_name=model_config_name, sampling_parameters=sampling, seed=seed)
+        if parent.role not in ("prompter", "tool"):
+            raise ApiError(
+                ErrorCode.parent_wrong_role,
+                "an assistant message must follow a prompter message or a tool result",
+            )
+        work = WorkParameters(
+            model_config_name=model_config_name,
+            sampling_parameters=sampling,
+            seed=seed,
+            system_prompt=chat.system_prompt,
+            tools=chat.tools,
+        )
         msg = Message(
             chat_id=chat.id,
             parent_id=parent.id,
@@ -192,6 +200,44 @@ class ChatRepository:
         )
         self._touch(chat, msg)
         self.session.add(msg)
+        await self.session.commit()
+        return msg
+
+    async def add_tool_message(self, chat_id: str, parent_id: str, tool_call_id: str, content: str) -> Message:
+        """A tool result follows the assistant message that made the call, or another tool result of it."""
+        chat = await self.get_chat(chat_id)
+        parent = await self.get_message(chat_id, parent_id)
+        caller = parent
+        if parent.role == "tool":
+            caller = await self.get_message(chat_id, parent.parent_id or "")
+        if caller.role != "assistant":
+            raise ApiError(ErrorCode.parent_wrong_role, "a tool result must follow an assistant message or tool result")
+        if caller.state != MessageState.complete:
+            raise ApiError(ErrorCode.parent_not_complete, f"the assistant message is {caller.state}, not complete")
+        call_ids = {c.get("id") for c in caller.tool_calls or []}
+        if tool_call_id not in call_ids:
+            raise ApiError(
+                ErrorCode.unknown_tool_call,
+                f"the assistant message made no tool call {tool_call_id!r}; its calls: {sorted(map(str, call_ids))}",
+            )
+        msg = Message(
+            chat_id=chat.id,
+            parent_id=parent.id,
+            role="tool",
+            content=content,
+            tool_call_id=tool_call_id,
+            state=MessageState.manual,
+        )
+        self._touch(chat, msg)
+        self.session.add(msg)
+        await self.session.commit()
+        return msg
+
+    async def vote(self, chat_id: str, message_id: str, score: int) -> Message:
+        msg = await self.get_message(chat_id, message_id)
+        if msg.role != "assistant":
+            raise ApiError(ErrorCode.not_assistant_message, "only assistant messages can be voted on")
+        msg.score, msg.voted_at = score, utcnow()
         await self.session.commit()
         return msg
 

@@ -61,7 +61,7 @@ async def _final_events(state: AppState, message_id: str, after: int) -> list[Se
         ids = unpack_ids(tokens.completion_ids)
         lps = unpack_floats(tokens.logprobs)
         ends = unpack_ids(tokens.text_offsets)
-        content = msg.content or ""
+        content = tokens.completion_text
         starts = [0, *ends[:-1]]
         texts = [content[a:b] for a, b in zip(starts, ends, strict=True)]
         lps_opt: list[float | None] = [None if lp != lp else lp for lp in lps]
@@ -70,9 +70,7 @@ async def _final_events(state: AppState, message_id: str, after: int) -> list[Se
     if msg.state == MessageState.complete:
         out.append(_event(MessageEvent(message=read)))
     else:
-        out.append(
-            _event(ErrorEvent(error=msg.error or f"message {msg.state}", code=msg.error_code, message=read))
-        )
+        out.append(_event(ErrorEvent(error=msg.error or f"message {msg.state}", code=msg.error_code, message=read)))
     return out
 
 

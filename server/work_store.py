@@ -6,18 +6,16 @@ that was presumed lost, a redelivered queue entry) can never overwrite newer sta
 
 from __future__ import annotations
 
-import json
-
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 
 from server.db import SessionFactory
 from server.models import Message, MessageTokens, utcnow
-from server.repository import encode_stop_reason
+from server.repository import decode_stop_reason, encode_stop_reason
 from shared.api import FINISHED_STATES, MessageState, WorkParameters
 from shared.errors import ErrorCode
-from shared.packing import pack_floats, pack_ids
-from shared.protocol import GenerationRecord, WorkMessage
+from shared.packing import pack_floats, pack_ids, unpack_ids
+from shared.protocol import GenerationRecord, PriorChain, WorkMessage
 
 _OPEN_STATES = (MessageState.pending.value, MessageState.in_progress.value)
 
@@ -47,13 +45,56 @@ class WorkStore:
         return msg.attempt == attempt and msg.state not in {s.value for s in FINISHED_STATES}
 
     @staticmethod
-    def work_messages(path: list[Message]) -> list[WorkMessage]:
-        return [
-            WorkMessage(
-                id=m.id, role="assistant" if m.role == "assistant" else "user", content=m.content or ""
+    def work_messages(path: list[Message], params: WorkParameters) -> list[WorkMessage]:
+        """The conversation as the template sees it: system prompt first, OA roles mapped."""
+        out = []
+        if params.system_prompt is not None:
+            out.append(WorkMessage(id="system", role="system", content=params.system_prompt))
+        for m in path:
+            if m.role == "assistant":
+                out.append(
+                    WorkMessage(
+                        id=m.id,
+                        role="assistant",
+                        content=m.content or "",
+                        tool_calls=m.tool_calls or None,
+                        reasoning_content=m.reasoning_content,
+                    )
+                )
+            elif m.role == "tool":
+                out.append(WorkMessage(id=m.id, role="tool", content=m.content or "", tool_call_id=m.tool_call_id))
+            else:
+                out.append(WorkMessage(id=m.id, role="user", content=m.content or ""))
+        return out
+
+    async def prior_chain(self, path: list[Message]) -> PriorChain | None:
+        """The stored tokens of the nearest assistant ancestor that has them."""
+        assistants = [m for m in path if m.role == "assistant" and m.state == MessageState.complete.value]
+        if not assistants:
+            return None
+        async with self.sessions() as s:
+            rows = (
+                await s.scalars(select(MessageTokens).where(MessageTokens.message_id.in_([m.id for m in assistants])))
+            ).all()
+        by_id = {r.message_id: r for r in rows}
+        for m in reversed(assistants):
+            tokens = by_id.get(m.id)
+            if tokens is None:
+                continue
+            params = WorkParameters.model_validate(m.work_parameters) if m.work_parameters else None
+            return PriorChain(
+                message_id=m.id,
+                prompt_ids=unpack_ids(tokens.prompt_ids),
+                completion_ids=unpack_ids(tokens.completion_ids),
+                finish_reason=tokens.finish_reason,
+                stop_reason=decode_stop_reason(tokens.stop_reason),
+                tokenizer_hash=tokens.tokenizer_hash,
+                template_hash=tokens.template_hash,
+                system_prompt=params.system_prompt if params else None,
+                tools=params.tools if params else None,
+                has_tool_calls=bool(m.tool_calls),
             )
-            for m in path
-        ]
+        return None
 
     @staticmethod
     def work_parameters(msg: Message) -> WorkParameters:
@@ -110,6 +151,8 @@ class WorkStore:
                 .values(
                     state=MessageState.complete.value,
                     content=record.content,
+                    reasoning_content=record.reasoning_content,
+                    tool_calls=record.tool_calls or None,
                     finish_reason=record.finish_reason,
                     prompt_token_count=len(record.prompt_ids),
                     completion_token_count=len(record.completion_ids),
@@ -125,6 +168,7 @@ class WorkStore:
                     completion_ids=pack_ids(record.completion_ids),
                     logprobs=pack_floats([float("nan") if lp is None else lp for lp in record.logprobs]),
                     text_offsets=pack_ids(record.text_offsets),
+                    completion_text=record.completion_text,
                     finish_reason=record.finish_reason,
                     stop_reason=encode_stop_reason(record.stop_reason),
                     engine=record.engine,
@@ -143,7 +187,3 @@ class WorkStore:
             except IntegrityError:
                 return False
         return True
-
-
-def record_summary(record: GenerationRecord) -> str:
-    return json.dumps({"prompt": len(record.prompt_ids), "completion": len(record.completion_ids)})

@@ -113,9 +113,7 @@ class WorkerHub:
         await ws.accept()
         key = _bearer(ws.headers.get("authorization", ""))
         if not key or not await self._valid_key(key):
-            await _refuse(
-                ws, ErrorCode.invalid_worker_key, "unknown or revoked worker key", CLOSE_INVALID_KEY
-            )
+            await _refuse(ws, ErrorCode.invalid_worker_key, "unknown or revoked worker key", CLOSE_INVALID_KEY)
             return
         try:
             raw = await asyncio.wait_for(ws.receive_text(), timeout=30)
@@ -140,9 +138,7 @@ class WorkerHub:
         log.info("worker %s connected: model=%s capacity=%d", conn.id, hello.model_name, hello.capacity)
         try:
             await conn.send(
-                WelcomeFrame(
-                    worker_id=conn.id, heartbeat_interval_s=self.settings.worker_heartbeat_interval_s
-                )
+                WelcomeFrame(worker_id=conn.id, heartbeat_interval_s=self.settings.worker_heartbeat_interval_s)
             )
             async with asyncio.TaskGroup() as tg:
                 recv = tg.create_task(self._receive(conn))
@@ -170,9 +166,7 @@ class WorkerHub:
             try:
                 raw = await asyncio.wait_for(conn.ws.receive_text(), timeout=self.settings.worker_timeout_s)
             except TimeoutError:
-                log.warning(
-                    "worker %s silent for %.0fs: dropping it", conn.id, self.settings.worker_timeout_s
-                )
+                log.warning("worker %s silent for %.0fs: dropping it", conn.id, self.settings.worker_timeout_s)
                 with contextlib.suppress(Exception):
                     await conn.ws.close(code=1011)
                 return
@@ -220,11 +214,7 @@ class WorkerHub:
                 conn.credits -= 1
             for item in items:
                 inflight = conn.inflight.get(item.message_id)
-                if (
-                    inflight is not None
-                    and inflight.item is item
-                    and not await self._dispatch(conn, inflight)
-                ):
+                if inflight is not None and inflight.item is item and not await self._dispatch(conn, inflight):
                     conn.inflight.pop(item.message_id, None)
                     conn.credits += 1
 
@@ -249,9 +239,11 @@ class WorkerHub:
             attempt=item.attempt,
             chat_id=msg.chat_id,
             model_name=conn.hello.model_name,
-            messages=self.store.work_messages(path),
+            messages=self.store.work_messages(path, params),
             sampling=params.sampling_parameters,
             seed=params.seed,
+            tools=params.tools,
+            prior=await self.store.prior_chain(path),
             resume=resume,
         )
         inflight.next_index = len(resume.token_ids) if resume else 0
@@ -308,7 +300,7 @@ class WorkerHub:
         if tail < len(record.completion_ids):
             offsets = [0, *record.text_offsets]
             texts = [
-                record.content[offsets[i] : offsets[i + 1]] for i in range(tail, len(record.completion_ids))
+                record.completion_text[offsets[i] : offsets[i + 1]] for i in range(tail, len(record.completion_ids))
             ]
             with contextlib.suppress(StreamConflict):
                 await self.streams.append(

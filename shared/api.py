@@ -8,14 +8,19 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Largest prompter message accepted, in characters (413 above it).
 MAX_CONTENT_CHARS = 64_000
 # Hard ceiling on generated tokens per message; workers also cap at their context length.
 MAX_NEW_TOKENS_LIMIT = 32_768
+MAX_SYSTEM_PROMPT_CHARS = 64_000
+MAX_TOOLS = 128
+
+# A function tool, OpenAI style: {"type": "function", "function": {"name", "description", "parameters"}}.
+ToolSchema = dict[str, Any]
 
 
 class MessageState(StrEnum):
@@ -46,9 +51,7 @@ class SamplingParameters(BaseModel):
     max_new_tokens: Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS_LIMIT)] = 1024
     # tokentrail additions
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
-    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] = Field(
-        default_factory=list
-    )
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] = Field(default_factory=list)
     top_logprobs: Annotated[int, Field(ge=0, le=20)] = 0
 
 
@@ -69,7 +72,9 @@ class WorkParameters(BaseModel):
     sampling_parameters: SamplingParameters = Field(default_factory=SamplingParameters)
     do_sample: bool = True
     seed: int
+    # the chat's system prompt and tools when this message was requested
     system_prompt: str | None = None
+    tools: list[ToolSchema] | None = None
 
 
 class MessageRead(BaseModel):
@@ -78,7 +83,7 @@ class MessageRead(BaseModel):
     content: str | None
     chat_id: str
     created_at: datetime
-    role: Literal["prompter", "assistant"]
+    role: Literal["prompter", "assistant", "tool"]
     state: MessageState
     score: int = 0
     reports: list[object] = Field(default_factory=list)
@@ -89,6 +94,9 @@ class MessageRead(BaseModel):
     safety_rots: str | None = None
     used_plugin: object | None = None
     # tokentrail additions
+    tool_call_id: str | None = None  # tool results: the call they answer
+    reasoning_content: str | None = None  # assistant: parsed from its tokens
+    tool_calls: list[dict[str, Any]] | None = None  # assistant: parsed from its tokens
     error: str | None = None
     error_code: str | None = None
     finish_reason: str | None = None
@@ -99,10 +107,33 @@ class MessageRead(BaseModel):
     completion_token_ids: list[int] | None = None
     logprobs: list[float | None] | None = None
     stop_reason: int | str | None = None
+    prior_message_id: str | None = None  # the assistant message whose tokens this prompt extends
+    reused_prefix_len: int | None = None
+    synthetic_token_count: int | None = None
+    fork: bool | None = None  # the prompt was a full render after a history edit
+
+
+def _check_tools(tools: list[ToolSchema] | None) -> list[ToolSchema] | None:
+    if tools is None:
+        return None
+    if len(tools) > MAX_TOOLS:
+        raise ValueError(f"at most {MAX_TOOLS} tools")
+    for tool in tools:
+        fn = tool.get("function", tool)
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError("each tool needs a function name: {'type': 'function', 'function': {'name': ...}}")
+    return tools
 
 
 class CreateChatRequest(BaseModel):
+    """OA's body is empty; tokentrail adds an optional system prompt and tool schemas."""
+
     model_config = ConfigDict(extra="ignore")
+
+    system_prompt: Annotated[str, Field(max_length=MAX_SYSTEM_PROMPT_CHARS)] | None = None
+    tools: list[ToolSchema] | None = None
+
+    _tools = field_validator("tools")(_check_tools)
 
 
 class ChatListRead(BaseModel):
@@ -113,6 +144,8 @@ class ChatListRead(BaseModel):
     hidden: bool = False
     allow_data_use: bool = True
     active_thread_tail_message_id: str | None = None
+    system_prompt: str | None = None
+    tools: list[ToolSchema] | None = None
 
 
 class ChatRead(ChatListRead):
@@ -130,6 +163,24 @@ class CreatePrompterMessageRequest(BaseModel):
     content: str = Field(..., repr=False)
 
 
+class CreateToolMessageRequest(BaseModel):
+    """A tool's result, answering one call of the assistant message it follows (tokentrail)."""
+
+    parent_id: str
+    tool_call_id: Annotated[str, Field(min_length=1, max_length=128)]
+    content: str = Field(..., repr=False)
+
+
+class ChatUpdateRequest(BaseModel):
+    title: Annotated[str, Field(max_length=256)] | None = None
+    hidden: bool | None = None
+    allow_data_use: bool | None = None
+    system_prompt: Annotated[str, Field(max_length=MAX_SYSTEM_PROMPT_CHARS)] | None = None
+    tools: list[ToolSchema] | None = None
+
+    _tools = field_validator("tools")(_check_tools)
+
+
 class CreateAssistantMessageRequest(BaseModel):
     model_config = ConfigDict(protected_namespaces=())
 
@@ -143,6 +194,12 @@ class CreateAssistantMessageRequest(BaseModel):
         if isinstance(data, dict) and data.get("sampling_parameters") is None:
             data = {k: v for k, v in data.items() if k != "sampling_parameters"}
         return data
+
+
+class VoteRequest(BaseModel):
+    """OA's vote on a message; on assistant messages it becomes the turn's reward in exports."""
+
+    score: Literal[-1, 0, 1]
 
 
 class Token(BaseModel):

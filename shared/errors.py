@@ -27,6 +27,7 @@ class ErrorCode(StrEnum):
     parent_wrong_role = "parent_wrong_role"
     parent_not_complete = "parent_not_complete"
     parent_required = "parent_required"
+    unknown_tool_call = "unknown_tool_call"
     # 413
     content_too_long = "content_too_long"
     # 422
@@ -58,6 +59,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.parent_wrong_role: 409,
     ErrorCode.parent_not_complete: 409,
     ErrorCode.parent_required: 422,
+    ErrorCode.unknown_tool_call: 422,
     ErrorCode.content_too_long: 413,
     ErrorCode.validation_error: 422,
     ErrorCode.unknown_model: 422,

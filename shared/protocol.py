@@ -10,7 +10,7 @@ Server -> worker: welcome, work, cancel, heartbeat, error (fatal; the server clo
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, TypeAdapter
 
@@ -58,8 +58,9 @@ class GenerationRecord(BaseModel):
     prompt_ids: list[int]
     completion_ids: list[int]
     logprobs: list[float | None]
-    text_offsets: list[int]  # end offset in ``content`` of each completion token's text
-    content: str
+    text_offsets: list[int]  # end offset in ``completion_text`` of each completion token's text
+    completion_text: str  # the decoded completion, as streamed (reasoning and tool-call markup included)
+    content: str  # the visible reply: completion_text without reasoning and tool calls
     finish_reason: FinishReason
     stop_reason: int | str | None = None
     engine: str
@@ -70,6 +71,9 @@ class GenerationRecord(BaseModel):
     synthetic_token_count: int = 0
     fork: bool = False
     num_cached_tokens: int | None = None
+    # parsed from completion_ids for clients; never re-rendered into later prompts
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
     resumed_at: list[int] = Field(default_factory=list)  # completion indices where a retry resumed
 
 
@@ -105,6 +109,24 @@ class WorkMessage(BaseModel):
     id: str
     role: Role
     content: str
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    reasoning_content: str | None = None
+
+
+class PriorChain(BaseModel):
+    """The stored tokens of the nearest assistant ancestor: the next prompt extends them."""
+
+    message_id: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    finish_reason: FinishReason
+    stop_reason: int | str | None = None
+    tokenizer_hash: str
+    template_hash: str
+    system_prompt: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    has_tool_calls: bool = False
 
 
 class ResumeState(BaseModel):
@@ -128,6 +150,8 @@ class WorkFrame(BaseModel):
     messages: list[WorkMessage]
     sampling: SamplingParameters
     seed: int
+    tools: list[dict[str, Any]] | None = None
+    prior: PriorChain | None = None
     resume: ResumeState | None = None
 
 

@@ -8,7 +8,7 @@ A test that requests one is skipped, with the reason, where the service is unava
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
 
@@ -38,10 +38,20 @@ def postgres_url() -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny chatml model, built once per test session (a few seconds, offline)."""
+    """The tiny chatml model with random weights, built once per test session (seconds, offline).
+    Plumbing tests use it; tests that need reasoning, tool calls or closers use ``trained_model``."""
     from worker.tiny_model import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-chatml"))
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-chatml"), train=False)
+
+
+@pytest.fixture(scope="session")
+def trained_model() -> Callable[[str], Path]:
+    """``trained_model(template)``: the briefly trained tiny model of that template, from the shared
+    cache (``TOKENTRAIL_CACHE_DIR`` or ~/.cache/tokentrail): built once per machine, then reused."""
+    from worker.tiny_model import resolve_model
+
+    return lambda template: Path(resolve_model(f"tiny-{template}"))
 
 
 @pytest.fixture(scope="session")

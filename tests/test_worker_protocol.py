@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -41,15 +42,11 @@ def hello(version: int = PROTOCOL_VERSION) -> str:
 
 
 async def _handshake(url: str, key: str, frame: str) -> tuple[dict[str, Any], int | None]:
-    async with websockets.connect(
-        websocket_url(url), additional_headers={"Authorization": f"Bearer {key}"}
-    ) as ws:
+    async with websockets.connect(websocket_url(url), additional_headers={"Authorization": f"Bearer {key}"}) as ws:
         await ws.send(frame)
         reply = json.loads(await ws.recv())
-        try:
-            await asyncio.wait_for(ws.recv(), timeout=5)
-        except websockets.ConnectionClosed:
-            pass
+        with contextlib.suppress(websockets.ConnectionClosed):
+            await asyncio.wait_for(ws.recv(), timeout=5)  # the server closes after its error frame
         return reply, ws.close_code
 
 
@@ -67,17 +64,13 @@ def test_protocol_mismatch_is_refused(embedded_stack: str, embedded_settings: Se
 
 def test_worker_client_stops_on_a_refused_key(embedded_stack: str, tiny_model_dir: Path) -> None:
     fmt = ChatFormat.load(str(tiny_model_dir))
-    client = WorkerClient(
-        WorkerOptions(embedded_stack, "tt_w_wrong", MODEL), HFEngine(str(tiny_model_dir)), fmt
-    )
+    client = WorkerClient(WorkerOptions(embedded_stack, "tt_w_wrong", MODEL), HFEngine(str(tiny_model_dir)), fmt)
     with pytest.raises(FatalWorkerError, match="invalid_worker_key"):
         asyncio.run(client.run_forever())
 
 
 def test_api_key_user_from_the_cli(embedded_stack: str, embedded_settings: ServerSettings) -> None:
-    result = CliRunner().invoke(
-        app, ["admin", "create-user", "keyuser", "--data-dir", str(embedded_settings.data_dir)]
-    )
+    result = CliRunner().invoke(app, ["admin", "create-user", "keyuser", "--data-dir", str(embedded_settings.data_dir)])
     assert result.exit_code == 0, result.output
     key = result.output.strip()
     assert key.startswith("tt_u_")
@@ -85,9 +78,9 @@ def test_api_key_user_from_the_cli(embedded_stack: str, embedded_settings: Serve
     assert httpx.get(f"{embedded_stack}/auth/check", headers=headers).json() == "keyuser"
     chat_id = httpx.post(f"{embedded_stack}/chats", json={}, headers=headers).json()["id"]
     _, reply = turn(embedded_stack, headers, chat_id, None, "hello")
-    assert events(embedded_stack, f"/chats/{chat_id}/messages/{reply['id']}/events", headers)[-1][
-        "event_type"
-    ] == ("message")
+    assert events(embedded_stack, f"/chats/{chat_id}/messages/{reply['id']}/events", headers)[-1]["event_type"] == (
+        "message"
+    )
 
 
 class SlowEngine:
@@ -128,9 +121,7 @@ def test_lost_worker_is_resumed_by_another_in_one_stream(
 ) -> None:
     server, key = private_server
     fmt = ChatFormat.load(str(tiny_model_dir))
-    first = WorkerThread(
-        server.url, key, MODEL, fmt, lambda: SlowEngine(HFEngine(str(tiny_model_dir)), 0.05)
-    ).start()
+    first = WorkerThread(server.url, key, MODEL, fmt, lambda: SlowEngine(HFEngine(str(tiny_model_dir)), 0.05)).start()
     headers = login(server.url, "resume")
     chat_id = httpx.post(f"{server.url}/chats", json={}, headers=headers).json()["id"]
     _, reply = turn(server.url, headers, chat_id, None, "go on", max_new_tokens=60, stop_token_ids=[])
@@ -160,6 +151,7 @@ def test_lost_worker_is_resumed_by_another_in_one_stream(
         assert stored["state"] == "complete"
         assert stored["completion_token_ids"] == [e["token_id"] for e in tokens]
         assert len(tokens) == 60 and stored["finish_reason"] == "length"
-        assert stored["content"] == "".join(e["text"] for e in tokens)
+        if not stored["reasoning_content"] and not stored["tool_calls"]:
+            assert stored["content"] == "".join(e["text"] for e in tokens).strip()
     finally:
         second.stop()

@@ -8,6 +8,7 @@ writing ``<|im_end|>`` gets plain text tokens, never the control token.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -81,47 +82,133 @@ class ChatFormat:
         return ids
 
     def encode_content(self, text: str) -> list[int]:
-        """Message content: control-token strings stay plain text."""
-        ids: list[int] = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)[
-            "input_ids"
-        ]
+        """Message text: nothing in it can become a control or added token. Special tokens are split
+        by the tokenizer; strings of non-special added tokens (``<tool_call>`` in Qwen) are cut in
+        two and encoded piecewise, so they come out as ordinary text tokens."""
+        ids: list[int] = []
+        for piece, is_marker in self._split_markers(text):
+            if not is_marker:
+                ids += self.tokenizer(piece, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+                continue
+            half = len(piece) // 2
+            ids += self.encode_content(piece[:half]) + self.encode_content(piece[half:])
         return ids
 
-    def render_text(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
+    def _split_markers(self, text: str) -> list[tuple[str, bool]]:
+        if self._marker_re is None or not self._marker_re.search(text):
+            return [(text, False)]
+        out: list[tuple[str, bool]] = []
+        pos = 0
+        for m in self._marker_re.finditer(text):
+            if m.start() > pos:
+                out.append((text[pos : m.start()], False))
+            out.append((m.group(0), True))
+            pos = m.end()
+        if pos < len(text):
+            out.append((text[pos:], False))
+        return out
+
+    @property
+    def _marker_re(self) -> re.Pattern[str] | None:
+        if not hasattr(self, "_marker_re_cache"):
+            added = [t for t in getattr(self.tokenizer, "added_tokens_encoder", {}) if len(t) > 1]
+            specials = set(self.tokenizer.all_special_tokens)
+            markers = sorted((t for t in added if t not in specials), key=len, reverse=True)
+            self._marker_re_cache = re.compile("|".join(map(re.escape, markers))) if markers else None
+        return self._marker_re_cache
+
+    def render_text(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None
+    ) -> str:
         text: str = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=self.template
+            messages,
+            tools=tools or None,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=self.template,
         )
         return text
 
-    def render(self, messages: list[WorkMessage], *, add_generation_prompt: bool = True) -> list[int]:
-        """Token IDs of the whole conversation rendered by the template, content encoded safely."""
-        real = [{"role": m.role, "content": m.content} for m in messages]
-        masked = [{"role": m.role, "content": _SENTINEL.format(i)} for i, m in enumerate(messages)]
-        reference = self.render_text(real, add_generation_prompt=add_generation_prompt)
-        rendered = self.render_text(masked, add_generation_prompt=add_generation_prompt)
+    def render_masked(
+        self, messages: list[WorkMessage], *, add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None
+    ) -> tuple[str, list[str]]:
+        """The template's text with every message text replaced by a sentinel, and those texts.
+
+        Raises RenderError when the template rewrites message text (trims or splits it) in a way
+        that puts control-token text at risk; such templates are rendered as a whole instead."""
+        texts: list[str] = []
+
+        def mask(value: str | None) -> str | None:
+            if not value:  # nothing to protect; templates test emptiness (`if content`), so keep it empty
+                return value
+            texts.append(value)
+            return _SENTINEL.format(len(texts) - 1)
+
+        masked = [template_message(m, mask(m.content) or "", mask(m.reasoning_content)) for m in messages]
+        rendered = self.render_text(masked, add_generation_prompt=add_generation_prompt, tools=tools)
+        real = [template_message(m, m.content, m.reasoning_content) for m in messages]
+        reference = self.render_text(real, add_generation_prompt=add_generation_prompt, tools=tools)
+        if unmask(rendered, texts) != reference:
+            raise RenderError("the chat template rewrites message text; it cannot be isolated")
+        return rendered, texts
+
+    def encode_masked(self, rendered: str, texts: list[str]) -> list[int]:
+        """Tokenize masked template text: literal parts as template text, sentinels as content."""
         ids: list[int] = []
         pos = 0
-        rebuilt = []
         for match in _SENTINEL_RE.finditer(rendered):
-            literal = rendered[pos : match.start()]
-            content = messages[int(match.group(1))].content
-            ids += self.encode_template_text(literal)
-            ids += self.encode_content(content)
-            rebuilt += [literal, content]
+            ids += self.encode_template_text(rendered[pos : match.start()])
+            ids += self.encode_content(texts[int(match.group(1))])
             pos = match.end()
-        ids += self.encode_template_text(rendered[pos:])
-        rebuilt.append(rendered[pos:])
-        if "".join(rebuilt) != reference:
-            # The template transforms content (trims it, splits it...): spans can't be isolated.
-            if any(self._has_special_text(m.content) for m in messages):
-                raise RenderError(
-                    "this chat template rewrites message content, and the content contains "
-                    "control-token text that could not be kept as plain text"
-                )
-            return self.encode_template_text(reference)
-        return ids
+        return ids + self.encode_template_text(rendered[pos:])
 
-    def _has_special_text(self, text: str) -> bool:
-        return any(tok in text for tok in self.tokenizer.all_special_tokens) or any(
-            tok in text for tok in getattr(self.tokenizer, "added_tokens_encoder", {})
+    def render(
+        self,
+        messages: list[WorkMessage],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """Token IDs of the whole conversation rendered by the template, message text encoded safely."""
+        try:
+            rendered, texts = self.render_masked(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        except RenderError:
+            if any(self._has_marker_text(t) for m in messages for t in (m.content, m.reasoning_content or "")):
+                raise RenderError(
+                    "this chat template rewrites message text, and the text contains control-token "
+                    "strings that could not be kept as plain text"
+                ) from None
+            real = [template_message(m, m.content, m.reasoning_content) for m in messages]
+            return self.encode_template_text(
+                self.render_text(real, add_generation_prompt=add_generation_prompt, tools=tools)
+            )
+        return self.encode_masked(rendered, texts)
+
+    def _has_marker_text(self, text: str) -> bool:
+        return any(tok in text for tok in self.tokenizer.all_special_tokens) or bool(
+            self._marker_re and self._marker_re.search(text)
         )
+
+
+def unmask(rendered: str, texts: list[str]) -> str:
+    return _SENTINEL_RE.sub(lambda m: texts[int(m.group(1))], rendered)
+
+
+def template_message(m: WorkMessage, content: str, reasoning: str | None) -> dict[str, Any]:
+    """A message as chat templates expect it (OpenAI/HF shape; tool-call arguments as objects)."""
+    out: dict[str, Any] = {"role": m.role, "content": content}
+    if reasoning is not None:
+        out["reasoning_content"] = reasoning
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        calls = []
+        for call in m.tool_calls:
+            fn = dict(call.get("function", call))
+            args = fn.get("arguments")
+            if isinstance(args, str):
+                with contextlib.suppress(ValueError):
+                    fn["arguments"] = json.loads(args)
+            calls.append({**call, "type": call.get("type", "function"), "function": fn})
+        out["tool_calls"] = calls
+    return out

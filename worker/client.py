@@ -38,6 +38,8 @@ from shared.protocol import (
 from worker.chat_format import ChatFormat, RenderError
 from worker.detokenizer import IncrementalDetokenizer
 from worker.engine import Engine, EngineError, GenerationParams
+from worker.output_parser import OutputParser
+from worker.prompt_builder import PromptBuilder, PromptMode
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,8 @@ class WorkerOptions:
     max_parallel: int = 4
     reconnect_max_s: float = 30.0
     heartbeat_interval_s: float = 5.0
+    # "naive" re-renders the whole history each turn: only for baselines in benchmarks
+    prompt_mode: PromptMode = "stitch"
 
 
 def websocket_url(server_url: str) -> str:
@@ -74,6 +78,8 @@ class WorkerClient:
         self.options = options
         self.engine = engine
         self.fmt = fmt
+        self.prompts = PromptBuilder(fmt, mode=options.prompt_mode)
+        self.parser = OutputParser.for_tokenizer(fmt.tokenizer, fmt.template)
         self._ws: ClientConnection | None = None
         self._send_lock = asyncio.Lock()
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -207,7 +213,14 @@ class WorkerClient:
             await self._send(frame)
 
     async def _generate(self, frame: WorkFrame) -> GenerationRecord:
-        prompt_ids = self.fmt.render(frame.messages)
+        built = self.prompts.build(frame)
+        prompt_ids = built.prompt_ids
+        max_context = self.engine.info.max_context
+        if len(prompt_ids) >= max_context:
+            raise EngineError(
+                ErrorCode.context_overflow.value,
+                f"the prompt has {len(prompt_ids)} tokens; the model's context holds {max_context}",
+            )
         detok = IncrementalDetokenizer(self.fmt.tokenizer)
         completion: list[int] = []
         logprobs: list[float | None] = []
@@ -231,6 +244,7 @@ class WorkerClient:
         stops = tuple(dict.fromkeys([*sampling.stop_token_ids, *self.fmt.stop_token_ids]))
         finish_reason: FinishReason = "length"
         stop_reason: int | None = None
+        num_cached: int | None = None
         if remaining > 0:
             params = GenerationParams(
                 max_new_tokens=remaining,
@@ -245,14 +259,14 @@ class WorkerClient:
             )
             engine_prompt = prompt_ids + completion
             first = True
-            async for step in self.engine.generate(
-                _request_id(frame.message_id, frame.attempt), engine_prompt, params
-            ):
+            async for step in self.engine.generate(_request_id(frame.message_id, frame.attempt), engine_prompt, params):
                 if first and step.prompt_token_ids is not None and step.prompt_token_ids != engine_prompt:
                     await self.engine.abort(_request_id(frame.message_id, frame.attempt))
                     raise EngineError(
                         ErrorCode.engine_error.value, "the engine consumed other prompt tokens than were sent"
                     )
+                if first:
+                    num_cached = step.num_cached_tokens
                 first = False
                 if step.token_ids:
                     start = len(completion)
@@ -277,17 +291,26 @@ class WorkerClient:
         tail = detok.flush()
         if tail and offsets:
             offsets[-1] += len(tail)
+        parsed = self.parser.parse(completion)
         return GenerationRecord(
             prompt_ids=prompt_ids,
             completion_ids=completion,
             logprobs=logprobs,
             text_offsets=offsets,
-            content=detok.text,
+            completion_text=detok.text,
+            content=parsed.content,
+            reasoning_content=parsed.reasoning_content,
+            tool_calls=parsed.tool_calls,
             finish_reason=finish_reason,
             stop_reason=stop_reason,
             engine=self.engine.info.name,
             tokenizer_hash=self.fmt.tokenizer_hash,
             template_hash=self.fmt.template_hash,
+            prior_message_id=built.prior_message_id,
+            reused_prefix_len=built.reused_prefix_len,
+            synthetic_token_count=built.synthetic_token_count,
+            fork=built.fork,
+            num_cached_tokens=num_cached,
             resumed_at=[len(resume.token_ids)] if resume else [],
         )
 

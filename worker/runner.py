@@ -8,6 +8,7 @@ import logging
 from worker.chat_format import ChatFormat
 from worker.client import WorkerClient, WorkerOptions
 from worker.engine import Engine
+from worker.prompt_builder import PromptMode
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ async def run_worker(
     device: str,
     dtype: str,
     served_model_name: str | None,
+    prompt_mode: PromptMode = "stitch",
 ) -> None:
     from worker.tiny_model import resolve_model
 
@@ -43,6 +45,7 @@ async def run_worker(
         api_key=api_key,
         model_name=served_model_name or model,
         max_parallel=max_parallel,
+        prompt_mode=prompt_mode,
     )
     try:
         await WorkerClient(options, engine, fmt).run_forever()

@@ -1,10 +1,23 @@
-"""A tiny, randomly initialised Llama-style chat model built offline, for tests and demos.
+"""A tiny Llama-style chat model built offline, for tests and demos.
 
 ``build_tiny_model`` writes a directory that ``AutoTokenizer.from_pretrained`` and
 ``AutoModelForCausalLM.from_pretrained`` load like any Hugging Face checkpoint: a byte-level BPE
-tokenizer trained on text generated here, a chat template, a 2-layer ``LlamaForCausalLM`` with seeded
-random weights, and ``tokentrail.json`` describing the build. Nothing is downloaded, and the same
-arguments always give byte-identical ``tokenizer.json`` and ``model.safetensors``.
+tokenizer trained on text generated here, a chat template, a 4-layer ``LlamaForCausalLM`` and
+``tokentrail.json`` describing the build. Its seeded random weights are then briefly trained on
+synthetic chats (``worker.tiny_training``), so that sampled replies close their turn, often reason and
+often call offered tools -- enough structure to exercise multi-turn stitching. Nothing is downloaded;
+the tokenizer is byte-identical everywhere, the weights are reproducible on one machine (see
+``train_tiny_model``), and with ``train=False`` they are byte-identical everywhere.
+
+Token kinds, per template:
+
+* chatml: special ``<|endoftext|>`` (pad), ``<|im_start|>``, ``<|im_end|>`` (eos, the turn closer);
+  non-special added tokens ``<think>`` ``</think>`` ``<tool_call>`` ``</tool_call>`` ``<tool_response>``
+  ``</tool_response>``: single ids that ``decode(skip_special_tokens=True)`` keeps, as in Qwen3.
+* llama3: special ``<|begin_of_text|>`` (bos), ``<|end_of_text|>`` (eos, *not* the turn closer),
+  ``<|start_header_id|>``, ``<|end_header_id|>``, ``<|eot_id|>`` (closes a turn), ``<|eom_id|>`` (closes
+  an assistant turn that called a tool), ``<|python_tag|>``, ``<|finetune_right_pad_id|>`` (pad);
+  generation_config.json stops on eot, eom and end_of_text.
 
 ``resolve_model("tiny")`` (or ``"tiny-<template>"``) builds such a model once into the cache directory
 and returns its path; any other name is returned unchanged.
@@ -14,14 +27,15 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterator
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from worker.tiny_training import DEFAULT_TRAIN_STEPS, tokenizer_corpus, train_tiny_model
 
 __all__ = [
     "BUILD_VERSION",
@@ -32,227 +46,53 @@ __all__ = [
 ]
 
 # Bump whenever the output of build_tiny_model changes, so cached builds are not reused.
-BUILD_VERSION = 1
+# 3: trained weights, 4 layers x 128, non-special think/tool tokens, llama3 template (2: its pre-release).
+BUILD_VERSION = 3
 
-# Built-in chat templates (worker/templates/<name>.jinja) and the special tokens each needs.
-TINY_TEMPLATES: tuple[str, ...] = ("chatml",)
 
-_CHATML_SPECIALS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-# Special tokens every tiny model has whatever its template (later work teaches the model to use them).
-_EXTRA_SPECIALS: tuple[str, ...] = (
-    "<think>",
-    "</think>",
-    "<tool_call>",
-    "</tool_call>",
-    "<tool_response>",
-    "</tool_response>",
+@dataclass(frozen=True)
+class _TemplateTokens:
+    specials: tuple[str, ...]  # special tokens, in id order (ids 0..)
+    added: tuple[str, ...]  # non-special added tokens (single ids, kept by skip_special_tokens), next ids
+    eos: str  # the tokenizer's eos_token and config.eos_token_id
+    pad: str
+    bos: str | None
+    stop: tuple[str, ...]  # generation_config.json eos_token_id (a single id if only one)
+
+
+_CHATML = _TemplateTokens(
+    specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+    added=("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"),
+    eos="<|im_end|>",
+    pad="<|endoftext|>",
+    bos=None,
+    stop=("<|im_end|>",),
 )
-# template -> (special tokens in id order, eos token, pad token)
-_TEMPLATE_TOKENS: dict[str, tuple[tuple[str, ...], str, str]] = {
-    "chatml": (_CHATML_SPECIALS, "<|im_end|>", "<|endoftext|>"),
-}
+_LLAMA3 = _TemplateTokens(
+    specials=(
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|eot_id|>",
+        "<|eom_id|>",
+        "<|python_tag|>",
+        "<|finetune_right_pad_id|>",
+    ),
+    added=(),
+    eos="<|end_of_text|>",
+    pad="<|finetune_right_pad_id|>",
+    bos="<|begin_of_text|>",
+    stop=("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"),
+)
+# Built-in chat templates (worker/templates/<name>.jinja) and the tokens each needs.
+_TEMPLATE_TOKENS: dict[str, _TemplateTokens] = {"chatml": _CHATML, "llama3": _LLAMA3}
+TINY_TEMPLATES: tuple[str, ...] = tuple(_TEMPLATE_TOKENS)
 
 _MAX_POSITIONS = 2048
 VOCAB_SIZE = 3072  # target size of the BPE vocabulary, special tokens and 256 byte symbols included
-# The tokenizer does not depend on the model seed: every tiny model of a template shares one tokenizer.
-_CORPUS_SEED = 20240229
-_CORPUS_SENTENCES = 6000
 
 _MODEL_PREFIX = "tiny"
-
-
-# --------------------------------------------------------------------------------------------------
-# Training text: a deterministic mix of English-like prose, made-up words, numbers, code and chat.
-# --------------------------------------------------------------------------------------------------
-
-
-def _words(text: str) -> tuple[str, ...]:
-    return tuple(text.split())
-
-
-_NOUNS = _words(
-    "time year people way day man woman child world life hand part place case week company system "
-    "program question work government number night point home water room mother area money story fact "
-    "month lot right study book eye job word business issue side kind head house service friend father "
-    "power hour game line end member law car city community name president team minute idea kid body "
-    "information back parent face others level office door health person art war history party result "
-    "change morning reason research girl guy moment air teacher force education model server token "
-    "river mountain garden window table kitchen letter music picture market bridge island forest train "
-    "computer file function value list string message answer problem data network engine weather road"
-)
-_VERBS = _words(
-    "is was has had makes made says said goes went takes took sees saw knows knew gets got gives gave "
-    "finds found thinks thought tells told becomes became leaves left feels felt brings brought begins "
-    "began keeps kept holds held writes wrote stands stood hears heard lets meant sets met runs ran pays "
-    "paid sits sat speaks spoke reads learns changes leads understands watches follows stops creates "
-    "opens walks wins offers remembers loves considers appears buys waits serves dies sends expects "
-    "builds stays falls cuts reaches kills remains suggests raises passes sells requires reports decides "
-    "returns explains hopes develops carries breaks receives agrees supports hits produces eats covers "
-    "catches draws chooses computes parses sorts streams encodes decodes loads saves"
-)
-_ADJECTIVES = _words(
-    "good new first last long great little own other old right big high different small large next "
-    "early young important few public bad same able local sure free better true whole clear certain "
-    "hard open special easy strong possible recent late simple quiet bright dark warm cold quick slow "
-    "happy careful empty full heavy light short tall green blue red yellow ancient modern tiny exact"
-)
-_ADVERBS = _words(
-    "also very often however too usually really early never always sometimes together likely simply "
-    "generally instead actually again rather almost especially ever quickly probably already below "
-    "directly therefore else thus easily eventually exactly certainly normally currently extremely"
-)
-_FUNCTION_WORDS = _words(
-    "the the the a a an this that these those my your his her its our their some every no any"
-)
-_PREPOSITIONS = _words(
-    "in on at by for with about against between into through during before after above below to from "
-    "up down of off over under near behind beyond across"
-)
-_CONJUNCTIONS = ("and", "but", "or", "so", "because", "while", "although", "when", "if", "since")
-_PRONOUNS = ("I", "you", "he", "she", "it", "we", "they")
-_QUESTION_WORDS = ("What", "Why", "How", "Where", "When", "Who", "Which")
-_NAMES = _words(
-    "Alice Bob Carol Dave Erin Frank Grace Heidi Ivan Judy Mallory Niaj Olivia Peggy Rupert Sybil "
-    "Trent Victor Walter Paris London Berlin Tokyo Lagos Lima Oslo Cairo Delhi Sydney Toronto Madrid"
-)
-_ACCENTED = ("café", "naïve", "über", "façade", "jalapeño", "résumé", "Zürich", "São Paulo", "smörgåsbord")
-_SYLLABLES = _words(
-    "ka ri to ne mo la shi pe du vo ra ti en al or ex st ing ion er ly th qu ve ba go zu mi no re fa"
-)
-_IDENTIFIERS = _words(
-    "value count index result items data config path name text buffer offset length total token_ids "
-    "request response user_id session cache logits prompt state queue worker engine batch step"
-)
-_TOOL_NAMES = ("get_weather", "search_web", "read_file", "run_python", "lookup_user", "convert_units")
-
-
-def _made_up_word(rng: random.Random) -> str:
-    return "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 4)))
-
-
-def _noun_phrase(rng: random.Random) -> str:
-    words = [rng.choice(_FUNCTION_WORDS)]
-    if rng.random() < 0.4:
-        words.append(rng.choice(_ADJECTIVES))
-    words.append(rng.choice(_NOUNS) if rng.random() < 0.93 else _made_up_word(rng))
-    return " ".join(words)
-
-
-def _number(rng: random.Random) -> str:
-    kind = rng.randrange(8)
-    if kind == 0:
-        return str(rng.randint(0, 100))
-    if kind == 1:
-        return str(rng.randint(100, 1_000_000))
-    if kind == 2:
-        return f"{rng.uniform(0, 1000):.{rng.randint(1, 3)}f}"
-    if kind == 3:
-        return f"{rng.randint(1990, 2030)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
-    if kind == 4:
-        return f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}"
-    if kind == 5:
-        return f"{rng.randint(1, 99)}%"
-    if kind == 6:
-        return f"${rng.randint(1, 999)}.{rng.randint(0, 99):02d}"
-    return f"{rng.randint(1, 9)},{rng.randint(0, 999):03d}"
-
-
-def _sentence(rng: random.Random) -> str:
-    kind = rng.randrange(10)
-    if kind < 5:
-        subject = _noun_phrase(rng) if rng.random() < 0.6 else rng.choice(_PRONOUNS + _NAMES)
-        parts = [subject]
-        if rng.random() < 0.3:
-            parts.append(rng.choice(_ADVERBS))
-        parts += [rng.choice(_VERBS), _noun_phrase(rng)]
-        if rng.random() < 0.5:
-            parts += [rng.choice(_PREPOSITIONS), _noun_phrase(rng)]
-        if rng.random() < 0.3:
-            parts += [rng.choice(_CONJUNCTIONS), rng.choice(_PRONOUNS), rng.choice(_VERBS), _number(rng)]
-        text = " ".join(parts)
-        text = text[0].upper() + text[1:]
-        return text + rng.choice((".", ".", ".", "!", "...", ";"))
-    if kind < 7:
-        noun = _noun_phrase(rng)
-        return f"{rng.choice(_QUESTION_WORDS)} {rng.choice(('does', 'did', 'can', 'will'))} {noun} " + (
-            f"{rng.choice(_VERBS)} {rng.choice(_PREPOSITIONS)} {rng.choice(_NAMES)}?"
-        )
-    if kind == 7:
-        return (
-            f'"{rng.choice(_NAMES)}, {rng.choice(_ADJECTIVES)} {rng.choice(_NOUNS)}!" '
-            f"({_number(rng)} {rng.choice(_NOUNS)}s, {rng.choice(_ACCENTED)})"
-        )
-    if kind == 8:
-        return (
-            f"- {rng.choice(_ADJECTIVES).capitalize()} {rng.choice(_NOUNS)}: {_number(rng)} ({_number(rng)})"
-        )
-    return (
-        f"On {_number(rng)}, {rng.choice(_NAMES)} {rng.choice(_VERBS)} {_number(rng)} {rng.choice(_NOUNS)}s."
-    )
-
-
-def _code(rng: random.Random) -> str:
-    a, b = rng.choice(_IDENTIFIERS), rng.choice(_IDENTIFIERS)
-    fn = f"{rng.choice(_VERBS).rstrip('s')}_{rng.choice(_NOUNS)}"
-    kind = rng.randrange(6)
-    if kind == 0:
-        return (
-            f"def {fn}({a}: int, {b}: str = None) -> dict:\n"
-            f'    """{rng.choice(_VERBS).capitalize()} the {rng.choice(_NOUNS)}."""\n'
-            f"    if {a} > {rng.randint(0, 99)}:\n"
-            f"        return {{'{b}': {b}, 'n': len({a})}}\n"
-            f"    for i in range({a}):\n"
-            f"        {b} += str(i)\n"
-            f"    return None\n"
-        )
-    if kind == 1:
-        return (
-            f"function {fn}({a}, {b}) {{\n"
-            f"  const x = {a}.map((v) => v * {rng.randint(2, 9)});\n"
-            f"  if (x.length === 0 && !{b}) {{ return null; }}\n"
-            f"  return [...x, {b}];\n"
-            f"}}\n"
-        )
-    if kind == 2:
-        obj = {a: rng.randint(0, 500), b: rng.choice(_NOUNS), "ok": rng.random() < 0.5, "items": [1, 2, 3]}
-        return json.dumps(obj, indent=rng.choice((None, 2)))
-    if kind == 3:
-        flag = f"--{rng.choice(_IDENTIFIERS)}={rng.randint(1, 64)}"
-        return f"$ python -m {rng.choice(_IDENTIFIERS)} {flag} ./{b}.txt"
-    if kind == 4:
-        return f"SELECT {a}, {b} FROM {rng.choice(_NOUNS)}s WHERE {a} >= {rng.randint(0, 999)} ORDER BY {b};"
-    return f"{a}[{rng.randint(0, 9)}] = ({b} + {rng.randint(1, 9)}) * {a}  # {rng.choice(_ADJECTIVES)}"
-
-
-def _chat(rng: random.Random) -> str:
-    question = _sentence(rng)
-    tool = rng.choice(_TOOL_NAMES)
-    args = json.dumps({"city": rng.choice(_NAMES), "units": rng.choice(("metric", "imperial"))})
-    kind = rng.randrange(3)
-    if kind == 0:
-        return f"system\nYou are a helpful assistant.\nuser\n{question}\nassistant\n{_sentence(rng)}\n"
-    if kind == 1:
-        return (
-            f"user\n{question}\nassistant\nthink\nThe user asks about {_noun_phrase(rng)}. "
-            f"{_sentence(rng)}\n/think\n\n{_sentence(rng)}\n"
-        )
-    return (
-        f'assistant\ntool_call\n{{"name": "{tool}", "arguments": {args}}}\n/tool_call\n'
-        f'user\ntool_response\n{{"result": "{_number(rng)}", "status": "ok"}}\n/tool_response\n'
-    )
-
-
-def _training_text() -> Iterator[str]:
-    """Yield the training corpus (a few hundred KB) in a fixed order from a fixed seed."""
-    rng = random.Random(_CORPUS_SEED)
-    for _ in range(_CORPUS_SENTENCES):
-        roll = rng.random()
-        if roll < 0.12:
-            yield _code(rng)
-        elif roll < 0.24:
-            yield _chat(rng)
-        else:
-            yield " ".join(_sentence(rng) for _ in range(rng.randint(1, 4)))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -260,7 +100,7 @@ def _training_text() -> Iterator[str]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _template_tokens(template: str) -> tuple[tuple[str, ...], str, str]:
+def _template_tokens(template: str) -> _TemplateTokens:
     try:
         return _TEMPLATE_TOKENS[template]
     except KeyError:
@@ -271,7 +111,7 @@ def _builtin_template_text(template: str) -> str:
     return resources.files("worker").joinpath("templates", f"{template}.jinja").read_text(encoding="utf-8")
 
 
-def _train_tokenizer(specials: tuple[str, ...]) -> object:
+def _train_tokenizer(tokens: _TemplateTokens) -> object:
     """Train the byte-level BPE; returns a ``tokenizers.Tokenizer``.
 
     Determinism: the BPE trainer counts words in parallel (rayon) into hash maps, but the merges it
@@ -290,11 +130,19 @@ def _train_tokenizer(specials: tuple[str, ...]) -> object:
         vocab_size=VOCAB_SIZE,
         min_frequency=2,
         show_progress=False,
-        special_tokens=[AddedToken(s, special=True, normalized=False) for s in specials],
+        special_tokens=[AddedToken(s, special=True, normalized=False) for s in tokens.specials + tokens.added],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tokenizer.train_from_iterator(_training_text(), trainer=trainer)
-    return tokenizer
+    tokenizer.train_from_iterator(tokenizer_corpus(), trainer=trainer)
+    if not tokens.added:
+        return tokenizer
+    # The trainer registers all its tokens as special; un-flag the added ones (Qwen3 layout) so that they
+    # stay single ids but survive decode(skip_special_tokens=True) and split_special_tokens=True.
+    data = json.loads(tokenizer.to_str())
+    for entry in data["added_tokens"]:
+        if entry["content"] in tokens.added:
+            entry["special"] = False
+    return Tokenizer.from_str(json.dumps(data))
 
 
 def build_tiny_model(
@@ -303,12 +151,16 @@ def build_tiny_model(
     template: str = "chatml",
     chat_template_file: Path | None = None,
     seed: int = 0,
+    train: bool = True,
+    train_steps: int | None = None,
 ) -> Path:
-    """Write tokenizer + config + random weights + chat template to out_dir; return out_dir.
+    """Write tokenizer + config + weights + chat template to out_dir; return out_dir.
 
     ``template`` names a built-in template (see ``TINY_TEMPLATES``) and picks the special tokens; if
-    ``chat_template_file`` is given its text is used as the chat template instead of the built-in one.
-    ``seed`` only affects the weights (the tokenizer is the same for every seed).
+    ``chat_template_file`` is given its text is used as the chat template instead of the built-in one
+    (and the training conversations are rendered with it). ``seed`` only affects the weights (the
+    tokenizer is the same for every seed). ``train=False`` skips training and leaves the seeded random
+    weights (a few seconds instead of about a minute); ``train_steps`` overrides the step count.
     """
     import torch
     import transformers
@@ -317,24 +169,25 @@ def build_tiny_model(
     hf: Any = transformers
 
     out_dir = Path(out_dir)
-    specials, eos_token, pad_token = _template_tokens(template)
-    all_specials = specials + _EXTRA_SPECIALS
+    tokens = _template_tokens(template)
     if chat_template_file is not None:
         chat_template = Path(chat_template_file).read_text(encoding="utf-8")
     else:
         chat_template = _builtin_template_text(template)
+    steps = (DEFAULT_TRAIN_STEPS if train_steps is None else train_steps) if train else 0
 
     out_dir.mkdir(parents=True, exist_ok=True)
 
+    named = (tokens.eos, tokens.pad, tokens.bos)
     tokenizer = hf.PreTrainedTokenizerFast(
-        tokenizer_object=_train_tokenizer(all_specials),
-        eos_token=eos_token,
-        pad_token=pad_token,
-        bos_token=None,
+        tokenizer_object=_train_tokenizer(tokens),
+        eos_token=tokens.eos,
+        pad_token=tokens.pad,
+        bos_token=tokens.bos,
         unk_token=None,
         # transformers 5.x: the other specials must be named here to appear in all_special_tokens/ids
         # (tokenizer.json marks them special either way, so decode(skip_special_tokens=True) drops them).
-        extra_special_tokens=[t for t in all_specials if t not in (eos_token, pad_token)],
+        extra_special_tokens=[t for t in tokens.specials if t not in named],
         clean_up_tokenization_spaces=False,
         model_max_length=_MAX_POSITIONS,
     )
@@ -342,19 +195,24 @@ def build_tiny_model(
     tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(out_dir)
 
-    eos_id = int(tokenizer.convert_tokens_to_ids(eos_token))
-    pad_id = int(tokenizer.convert_tokens_to_ids(pad_token))
+    def token_id(token: str) -> int:
+        return int(tokenizer.convert_tokens_to_ids(token))
+
+    eos_id, pad_id = token_id(tokens.eos), token_id(tokens.pad)
+    bos_id = token_id(tokens.bos) if tokens.bos is not None else None
+    stop_ids = [token_id(t) for t in tokens.stop]
     config = hf.LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
+        # Big enough to learn the chat structure in a few hundred CPU steps, small enough to train fast.
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=_MAX_POSITIONS,
         initializer_range=0.02,
         tie_word_embeddings=False,
-        bos_token_id=None,
+        bos_token_id=bos_id,
         eos_token_id=eos_id,
         pad_token_id=pad_id,
         dtype="float32",
@@ -363,7 +221,13 @@ def build_tiny_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = hf.LlamaForCausalLM(config).float()
-    model.generation_config = hf.GenerationConfig(bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id)
+        if steps:
+            train_tiny_model(model, tokenizer, seed=seed, steps=steps)
+    model.generation_config = hf.GenerationConfig(
+        bos_token_id=bos_id,
+        eos_token_id=stop_ids[0] if len(stop_ids) == 1 else stop_ids,
+        pad_token_id=pad_id,
+    )
     # transformers 5.x always writes safetensors (its safe_serialization argument is gone) and shows a
     # "Writing model shards" progress bar, silenced here.
     bars = hf.utils.logging.is_progress_bar_enabled()
@@ -379,6 +243,7 @@ def build_tiny_model(
         "template": template,
         "seed": seed,
         "build_version": BUILD_VERSION,
+        "train_steps": steps,
     }
     if chat_template_file is not None:
         info["chat_template_file"] = str(chat_template_file)

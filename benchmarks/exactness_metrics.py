@@ -1,0 +1,217 @@
+"""Pure metric functions of ``benchmarks/exactness.py``: token lists in, verdicts and numbers out.
+
+Nothing here talks to a server, loads a tokenizer or runs a model; the benchmark renders and re-scores,
+then hands plain token ids and floats to these functions. The metric definitions are in the docstring of
+``benchmarks/exactness.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from shared.stitching import extends, merge_turns
+
+__all__ = [
+    "Agreement",
+    "agreement",
+    "aligned_prefix",
+    "bridge_mismatch",
+    "closer_mismatch",
+    "expected_stitch_suffix",
+    "extension_breaks",
+    "logprob_deltas",
+    "naive_training_view",
+    "same_logprobs",
+    "samples_per_rollout",
+    "share",
+    "tokens_exact",
+    "turn_closed",
+    "turn_end",
+]
+
+Ids = Sequence[int]
+Logprobs = Sequence[float | None]  # None is -inf (JSON has no -inf)
+
+TFLA_TOLERANCE = 1e-4
+
+
+def _f32(values: Logprobs) -> np.ndarray:
+    return np.array([-math.inf if v is None else v for v in values], dtype=np.float32)
+
+
+def same_logprobs(a: Logprobs, b: Logprobs) -> bool:
+    """Bit-for-bit equal as float32 (the stored width), ``None`` read as ``-inf``; NaN never equals."""
+    if len(a) != len(b):
+        return False
+    return bool(np.array_equal(_f32(a), _f32(b)))
+
+
+def tokens_exact(
+    stored_prompt: Ids,
+    stored_completion: Ids,
+    stored_logprobs: Logprobs,
+    engine_prompt: Ids,
+    engine_completion: Ids,
+    engine_logprobs: Logprobs,
+) -> bool:
+    """Is the stored (prompt, completion, logprobs) exactly what the engine consumed and produced?"""
+    return (
+        list(stored_prompt) == list(engine_prompt)
+        and list(stored_completion) == list(engine_completion)
+        and same_logprobs(stored_logprobs, engine_logprobs)
+    )
+
+
+def extension_breaks(turns: Sequence[tuple[Ids, Ids]]) -> list[bool]:
+    """For each consecutive pair of turns ``(prompt, completion)``: does the later prompt fail to extend
+    the earlier prompt + completion? One entry per pair (``len(turns) - 1``)."""
+    return [not extends([*earlier[0], *earlier[1]], later[0]) for earlier, later in itertools.pairwise(turns)]
+
+
+def samples_per_rollout(turns: Sequence[tuple[Ids, Ids]]) -> int:
+    """Training samples after merging turns by prefix (``shared.stitching.merge_turns``)."""
+    return len(merge_turns(turns))
+
+
+def turn_end(ids: Ids, start: int, closers: frozenset[int]) -> int:
+    """The index just after the first closer id at or after ``start`` (``len(ids)`` if none)."""
+    for i in range(start, len(ids)):
+        if ids[i] in closers:
+            return i + 1
+    return len(ids)
+
+
+def naive_training_view(
+    history_prompt: Ids, rendered_through_turn: Ids, closers: frozenset[int]
+) -> tuple[list[int], list[int]] | None:
+    """What a text pipeline trains on for one assistant turn, or None if it cannot be cut out.
+
+    ``history_prompt`` is the template render of the messages before the turn with the generation
+    prompt; ``rendered_through_turn`` the render of the messages up to and including the turn, without
+    it. The view is (``history_prompt``, the tokens after it up to and including the turn's closer —
+    the trailing separator is not part of the turn). If the second render does not start with the first,
+    the turn has no consistent view (None): the text pipeline's prompt for it is not what the model saw.
+    """
+    if not extends(history_prompt, rendered_through_turn):
+        return None
+    start = len(history_prompt)
+    return list(history_prompt), list(rendered_through_turn[start : turn_end(rendered_through_turn, start, closers)])
+
+
+def turn_closed(
+    completion: Ids, finish_reason: str | None, stop_reason: int | str | None, closers: frozenset[int]
+) -> bool:
+    """Did the model itself close its turn? Its last token is a closer it sampled: a stop on that token,
+    or the last token allowed by ``max_new_tokens`` happening to be one. A stop on another token (a
+    frequent word, a bare eos that is not a closer) or a cut elsewhere leaves the turn open."""
+    if not completion or completion[-1] not in closers:
+        return False
+    if finish_reason == "stop":
+        return stop_reason is None or stop_reason == completion[-1]
+    return finish_reason == "length"
+
+
+def _closer_index(full: Ids, history: Ids, closers: frozenset[int]) -> int | None:
+    """Index in ``full`` of the closer of the history's last turn: its n-th closer, where n is the
+    number of closers in ``history`` (both renders share the history; message text never holds a
+    closer id because it is encoded with special tokens split)."""
+    n = sum(1 for t in history if t in closers)
+    if n == 0:
+        return None
+    seen = 0
+    for i, t in enumerate(full):
+        if t in closers:
+            seen += 1
+            if seen == n:
+                return i
+    return None
+
+
+def expected_stitch_suffix(
+    full: Ids, history: Ids, closers: frozenset[int], specials: frozenset[int]
+) -> tuple[list[int], list[int]] | None:
+    """The template's own (closer, bridge) after the prior assistant turn, or None if not found.
+
+    ``full`` renders history + new messages with the generation prompt, ``history`` the messages up to
+    and including the prior assistant turn without it. The closer is the run of special tokens ending
+    at that turn's closer id; the bridge is everything after it (separator, new messages, generation
+    prompt).
+    """
+    at = _closer_index(full, history, closers)
+    if at is None:
+        return None
+    begin = at
+    while begin > 0 and full[begin - 1] in specials:
+        begin -= 1
+    return list(full[begin : at + 1]), list(full[at + 1 :])
+
+
+def bridge_mismatch(prompt: Ids, reused_prefix_len: int, synthetic_token_count: int, expected_bridge: Ids) -> bool:
+    """Does the stored bridge (prompt minus reused prefix minus synthetic closer) differ from the
+    template's rendering of the new messages?"""
+    return list(prompt[reused_prefix_len + synthetic_token_count :]) != list(expected_bridge)
+
+
+def closer_mismatch(
+    prompt: Ids, reused_prefix_len: int, synthetic_token_count: int, expected_closer: Ids, prior_closed: bool
+) -> bool:
+    """Is the synthetic closer wrong: present although the prior turn closed itself, missing although
+    it did not, or other tokens than the template's closer for that turn?"""
+    stored = list(prompt[reused_prefix_len : reused_prefix_len + synthetic_token_count])
+    return stored != ([] if prior_closed else list(expected_closer))
+
+
+def aligned_prefix(a: Ids, b: Ids) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def logprob_deltas(stored: Logprobs, rescored: Sequence[float]) -> list[float]:
+    """``|stored - rescored|`` per position (float64 of float32 values); both ``-inf`` is 0, one ``-inf``
+    or a NaN is ``inf``."""
+    out: list[float] = []
+    for s, r in zip(_f32(stored).tolist(), rescored, strict=True):
+        if s == r:
+            out.append(0.0)
+            continue
+        d = abs(s - r)
+        out.append(math.inf if math.isnan(d) else d)
+    return out
+
+
+@dataclass(frozen=True)
+class Agreement:
+    positions: int = 0
+    disagreements: int = 0  # positions with |delta| > tolerance
+    max_delta: float = 0.0
+
+    @property
+    def share(self) -> float | None:
+        return share(self.disagreements, self.positions)
+
+    def __add__(self, other: Agreement) -> Agreement:
+        return Agreement(
+            self.positions + other.positions,
+            self.disagreements + other.disagreements,
+            max(self.max_delta, other.max_delta),
+        )
+
+
+def agreement(deltas: Iterable[float], tolerance: float = TFLA_TOLERANCE) -> Agreement:
+    values = list(deltas)
+    return Agreement(len(values), sum(1 for d in values if d > tolerance), max(values, default=0.0))
+
+
+def share(numerator: int, denominator: int) -> float | None:
+    """``numerator / denominator``, or None (printed as n/a) when there is nothing to count."""
+    return numerator / denominator if denominator else None

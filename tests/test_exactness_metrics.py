@@ -1,0 +1,149 @@
+"""The pure metric functions of benchmarks/exactness.py, on small hand-made token lists."""
+
+from __future__ import annotations
+
+import math
+
+from benchmarks.exactness_metrics import (
+    Agreement,
+    agreement,
+    aligned_prefix,
+    bridge_mismatch,
+    closer_mismatch,
+    expected_stitch_suffix,
+    extension_breaks,
+    logprob_deltas,
+    naive_training_view,
+    same_logprobs,
+    samples_per_rollout,
+    share,
+    tokens_exact,
+    turn_closed,
+    turn_end,
+)
+
+CLOSE = 9  # the turn closer
+START = 8  # another special token (a turn opener)
+CLOSERS = frozenset({CLOSE})
+SPECIALS = frozenset({START, CLOSE})
+
+
+def test_extension_holds_for_stitched_turns() -> None:
+    t1 = ([START, 1, 2], [3, 4, CLOSE])
+    t2 = ([START, 1, 2, 3, 4, CLOSE, 10, START, 5], [6, CLOSE])
+    t3 = ([*t2[0], *t2[1], 10, START, 7], [8])
+    assert extension_breaks([t1, t2, t3]) == [False, False]
+    assert samples_per_rollout([t1, t2, t3]) == 1
+
+
+def test_extension_break_is_detected() -> None:
+    t1 = ([START, 1, 2], [3, 4, CLOSE])
+    # re-tokenized history: the model's [3, 4] became [34]
+    t2 = ([START, 1, 2, 34, CLOSE, 10, START, 5], [6, CLOSE])
+    t3 = ([*t2[0], *t2[1], 10, START, 7], [8])
+    assert extension_breaks([t1, t2, t3]) == [True, False]
+    assert samples_per_rollout([t1, t2, t3]) == 2
+    assert extension_breaks([t1]) == []
+
+
+def test_merge_counts_every_break() -> None:
+    t1 = ([1], [2])
+    t2 = ([1, 3], [4])  # does not extend [1, 2]
+    t3 = ([5], [6])  # does not extend [1, 3, 4]
+    assert samples_per_rollout([t1, t2, t3]) == 3
+    assert samples_per_rollout([]) == 0
+
+
+def test_tokens_exact_compares_ids_and_float32_logprobs() -> None:
+    prompt, completion = [1, 2], [3, CLOSE]
+    assert tokens_exact(prompt, completion, [-0.5, None], prompt, completion, [-0.5, -math.inf])
+    assert not tokens_exact(prompt, completion, [-0.5, -0.25], prompt, [3, 4], [-0.5, -0.25])
+    assert not tokens_exact(prompt, completion, [-0.5, -0.25], [1], completion, [-0.5, -0.25])
+    assert not tokens_exact(prompt, completion, [-0.5, -0.25], prompt, completion, [-0.5, -0.2500001])
+    # float64 noise below float32 precision is the same stored value
+    assert same_logprobs([-0.1], [-0.1 + 1e-12])
+    assert not same_logprobs([float("nan")], [float("nan")])
+    assert not same_logprobs([-1.0], [-1.0, -2.0])
+
+
+def test_naive_view_matches_when_render_reproduces_the_tokens() -> None:
+    history = [START, 1, CLOSE, 10, START, 2]
+    through = [*history, 3, 4, CLOSE, 10]  # the trailing separator 10 is not part of the turn
+    view = naive_training_view(history, through, CLOSERS)
+    assert view == (history, [3, 4, CLOSE])
+    assert view == (history, [3, 4, CLOSE])  # engine prompt and completion
+
+
+def test_naive_view_detects_retokenization_and_missing_history() -> None:
+    history = [START, 1, CLOSE, 10, START, 2]
+    engine_completion = [3, 4, CLOSE]
+    retokenized = naive_training_view(history, [*history, 34, CLOSE, 10], CLOSERS)
+    assert retokenized is not None and retokenized[1] != engine_completion
+    # a turn cut by max_new_tokens has no closer, but the render writes one
+    cut = naive_training_view(history, [*history, 3, 4, CLOSE, 10], CLOSERS)
+    assert cut is not None and cut[1] != [3, 4]
+    # the render drops earlier reasoning: it no longer starts with the prompt the engine saw
+    assert naive_training_view(history, [START, CLOSE, 10, START, 2, 3, 4, CLOSE], CLOSERS) is None
+
+
+def test_turn_end() -> None:
+    assert turn_end([1, CLOSE, 2, CLOSE], 0, CLOSERS) == 2
+    assert turn_end([1, CLOSE, 2, CLOSE], 2, CLOSERS) == 4
+    assert turn_end([1, 2], 0, CLOSERS) == 2
+
+
+def test_turn_closed() -> None:
+    assert turn_closed([1, CLOSE], "stop", CLOSE, CLOSERS)
+    assert turn_closed([1, CLOSE], "length", None, CLOSERS)  # the last allowed token was the closer
+    assert not turn_closed([1, 2], "length", None, CLOSERS)
+    assert not turn_closed([1, 7], "stop", 7, CLOSERS)  # a stop token that is not a closer
+    assert not turn_closed([], "length", None, CLOSERS)
+
+
+def _stitched_case() -> tuple[list[int], list[int], list[int], list[int]]:
+    """(history render, full render, prior prompt + completion, expected bridge)."""
+    history = [START, 1, CLOSE, 10, START, 2, 3, CLOSE, 10]  # user, assistant (+ separator)
+    bridge = [10, START, 4, CLOSE, 10, START]  # separator, new user turn, generation prompt
+    full = [START, 1, CLOSE, 10, START, 2, 3, CLOSE, *bridge]
+    reused = [START, 1, CLOSE, 10, START, 2, 3]  # the assistant turn was cut before its closer
+    return history, full, reused, bridge
+
+
+def test_expected_stitch_suffix_cuts_after_the_prior_closer() -> None:
+    history, full, _, bridge = _stitched_case()
+    assert expected_stitch_suffix(full, history, CLOSERS, SPECIALS) == ([CLOSE], bridge)
+    assert expected_stitch_suffix(full, [1, 2], CLOSERS, SPECIALS) is None
+
+
+def test_bridge_and_closer_fidelity() -> None:
+    history, full, reused, bridge = _stitched_case()
+    closer, expected = expected_stitch_suffix(full, history, CLOSERS, SPECIALS) or ([], [])
+    good = [*reused, CLOSE, *bridge]
+    assert not bridge_mismatch(good, len(reused), 1, expected)
+    assert not closer_mismatch(good, len(reused), 1, closer, prior_closed=False)
+    # the builder forgot the separator
+    assert bridge_mismatch([*reused, CLOSE, *bridge[1:]], len(reused), 1, expected)
+    # the prior turn was cut but no closer was added
+    assert closer_mismatch([*reused, *bridge], len(reused), 0, closer, prior_closed=False)
+    assert not bridge_mismatch([*reused, *bridge], len(reused), 0, expected)
+    # a closer was added although the model closed the turn itself
+    assert closer_mismatch([*reused, CLOSE, CLOSE, *bridge], len(reused) + 1, 1, closer, prior_closed=True)
+
+
+def test_logprob_deltas_and_agreement() -> None:
+    deltas = logprob_deltas([-1.0, None, -0.5, None], [-1.0, float("-inf"), -0.4, -3.0])
+    assert deltas[:2] == [0.0, 0.0]
+    assert math.isclose(deltas[2], 0.1, rel_tol=1e-6)
+    assert deltas[3] == math.inf
+    summary = agreement(deltas)
+    assert summary == Agreement(positions=4, disagreements=2, max_delta=math.inf)
+    assert agreement([1e-6, 2e-5]) == Agreement(2, 0, 2e-5)
+    assert (agreement([1e-6]) + agreement([0.5])) == Agreement(2, 1, 0.5)
+    assert Agreement().share is None
+
+
+def test_aligned_prefix_and_share() -> None:
+    assert aligned_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert aligned_prefix([], [1]) == 0
+    assert share(1, 4) == 0.25
+    assert share(0, 0) is None

@@ -41,17 +41,13 @@ async def sse_events(client: httpx.AsyncClient, url: str) -> Any:
                 data = []
 
 
-async def one_chat(
-    client: httpx.AsyncClient, turns: int, max_new: int, seed: int, out: dict[str, list[float]]
-) -> int:
+async def one_chat(client: httpx.AsyncClient, turns: int, max_new: int, seed: int, out: dict[str, list[float]]) -> int:
     chat_id = (await client.post("/chats", json={})).json()["id"]
     parent = None
     tokens = 0
     for t in range(turns):
         prompt = (
-            await client.post(
-                f"/chats/{chat_id}/prompter_message", json={"parent_id": parent, "content": f"turn {t}"}
-            )
+            await client.post(f"/chats/{chat_id}/prompter_message", json={"parent_id": parent, "content": f"turn {t}"})
         ).json()
         start = time.perf_counter()
         reply = (

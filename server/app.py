@@ -11,6 +11,7 @@ from fastapi import APIRouter, FastAPI, WebSocket
 from fastapi.responses import JSONResponse
 
 from server import migrate
+from server.admin_routes import router as admin_router
 from server.auth import TokenSigner
 from server.auth_routes import router as auth_router
 from server.chat_routes import configs_router
@@ -109,6 +110,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.include_router(auth_router)
     app.include_router(configs_router)
     app.include_router(chats_router)
+    app.include_router(admin_router)
 
     @app.websocket("/workers/work")
     async def worker_socket(ws: WebSocket) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, TypeVar
 
@@ -19,13 +20,9 @@ admin_app = typer.Typer(help="Users and keys.", no_args_is_help=True)
 
 DatabaseUrl = Annotated[
     str | None,
-    typer.Option(
-        help="SQLAlchemy async URL (default: SQLite file in the data dir). Env: TOKENTRAIL_DATABASE_URL"
-    ),
+    typer.Option(help="SQLAlchemy async URL (default: SQLite file in the data dir). Env: TOKENTRAIL_DATABASE_URL"),
 ]
-DataDir = Annotated[
-    Path | None, typer.Option(help="Where the embedded database lives. Env: TOKENTRAIL_DATA_DIR")
-]
+DataDir = Annotated[Path | None, typer.Option(help="Where the embedded database lives. Env: TOKENTRAIL_DATA_DIR")]
 
 
 def _settings(**overrides: object) -> ServerSettings:
@@ -128,3 +125,59 @@ def create_worker_key(
             await engine.dispose()
 
     typer.echo(_run(go))
+
+
+def export(
+    out: Annotated[Path, typer.Option(help="File to write ('-' for standard output, JSONL only).")],
+    fmt: Annotated[str, typer.Option("--format", help="jsonl or parquet.")] = "jsonl",
+    schema: Annotated[
+        str, typer.Option(help="tokentrail (native), verl, openrlhf, slime, skyrl, prime-rl, nemo-rl or marin.")
+    ] = "tokentrail",
+    since: Annotated[datetime | None, typer.Option(help="Only leaves created at or after this time (UTC).")] = None,
+    until: Annotated[datetime | None, typer.Option(help="Only leaves created before this time (UTC).")] = None,
+    model: Annotated[str | None, typer.Option(help="Only rollouts whose last turn used this model.")] = None,
+    user: Annotated[str | None, typer.Option(help="Only this user's chats.")] = None,
+    chat: Annotated[str | None, typer.Option(help="Only this chat.")] = None,
+    rated_only: Annotated[bool, typer.Option(help="Only rollouts with at least one vote.")] = False,
+    min_score: Annotated[float | None, typer.Option(help="Only rollouts whose reward is at least this.")] = None,
+    include_incomplete: Annotated[
+        bool, typer.Option(help="Also paths with failed or unfinished assistant turns (those turns are left out).")
+    ] = False,
+    reward_rule: Annotated[str, typer.Option(help="Rollout reward: last (rated turn), mean, min or leaf.")] = "last",
+    database_url: DatabaseUrl = None,
+    data_dir: DataDir = None,
+    quiet: Annotated[bool, typer.Option(help="No progress output.")] = False,
+) -> None:
+    """Export stored conversations as RL training rollouts (chats that opted out are never exported)."""
+    from server.export_run import run_export
+
+    if fmt not in ("jsonl", "parquet"):
+        raise typer.BadParameter("--format must be jsonl or parquet")
+    if reward_rule not in ("last", "mean", "min", "leaf"):
+        raise typer.BadParameter("--reward-rule must be last, mean, min or leaf")
+    if str(out) == "-" and fmt != "jsonl":
+        raise typer.BadParameter("only JSONL can go to standard output")
+    settings = _settings(database_url=database_url, data_dir=data_dir)
+    try:
+        result = _run(
+            lambda: run_export(
+                settings,
+                out,
+                fmt=fmt,
+                schema=schema,
+                since=since,
+                until=until,
+                model=model,
+                user=user,
+                chat=chat,
+                rated_only=rated_only,
+                min_score=min_score,
+                include_incomplete=include_incomplete,
+                reward_rule=reward_rule,
+                progress=not quiet,
+            )
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    if not quiet:
+        typer.echo(result, err=True)

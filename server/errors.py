@@ -50,9 +50,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: ErrorCode.bad_request, 405: ErrorCode.bad_request}.get(
-            exc.status_code, ErrorCode.bad_request
-        )
+        code = {404: ErrorCode.bad_request, 405: ErrorCode.bad_request}.get(exc.status_code, ErrorCode.bad_request)
         return JSONResponse(
             {"detail": exc.detail, "code": "not_found" if exc.status_code == 404 else code.value},
             status_code=exc.status_code,
@@ -62,6 +60,4 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
-        return JSONResponse(
-            {"detail": "internal error", "code": ErrorCode.internal_error.value}, status_code=500
-        )
+        return JSONResponse({"detail": "internal error", "code": ErrorCode.internal_error.value}, status_code=500)

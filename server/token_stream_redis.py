@@ -131,9 +131,7 @@ class RedisTokenStreams:
 
     async def length(self, message_id: str) -> int:
         # The newest entry below the terminal one holds the length in its ID.
-        top: Any = await self.redis.xrevrange(
-            TOKEN_STREAM.format(message_id=message_id), "(" + _DONE_ID, "-", 1
-        )
+        top: Any = await self.redis.xrevrange(TOKEN_STREAM.format(message_id=message_id), "(" + _DONE_ID, "-", 1)
         return int(text(top[0][0]).split("-")[1]) if top else 0
 
     async def read(self, message_id: str, after: int, timeout_s: float) -> list[StreamEntry]:

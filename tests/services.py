@@ -195,9 +195,7 @@ def _pg_bin() -> Path:
             return Path(bindir)
     if initdb := shutil.which("initdb"):
         return Path(initdb).resolve().parent
-    raise ServiceUnavailable(
-        "PostgreSQL is not running on 127.0.0.1:5432 and initdb/pg_ctl are not installed"
-    )
+    raise ServiceUnavailable("PostgreSQL is not running on 127.0.0.1:5432 and initdb/pg_ctl are not installed")
 
 
 def _as_postgres_user(cmd: list[str]) -> list[str]:

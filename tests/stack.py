@@ -144,9 +144,7 @@ class WorkerThread:
         self.thread.join(timeout=15)
 
 
-def spawn(
-    args: list[str], env: dict[str, str] | None = None, log: Path | None = None
-) -> subprocess.Popen[bytes]:
+def spawn(args: list[str], env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen[bytes]:
     """``python -m tokentrail ARGS`` as a child process, output to ``log`` if given."""
     out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 - closed with the process
     return subprocess.Popen(

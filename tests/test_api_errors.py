@@ -38,9 +38,7 @@ def chat(url: str, alice: dict[str, str]) -> dict[str, Any]:
         },
         headers=alice,
     ).json()
-    assert (
-        events(url, f"/chats/{chat_id}/messages/{reply['id']}/events", alice)[-1]["event_type"] == "message"
-    )
+    assert events(url, f"/chats/{chat_id}/messages/{reply['id']}/events", alice)[-1]["event_type"] == "message"
     return {"id": chat_id, "prompt": prompt["id"], "reply": reply["id"]}
 
 
@@ -59,9 +57,7 @@ def expect(resp: httpx.Response, status: int, code: str) -> None:
 def test_unknown_chat_and_message_are_404(url: str, alice: dict[str, str], chat: dict[str, Any]) -> None:
     expect(httpx.get(f"{url}/chats/nope", headers=alice), 404, "chat_not_found")
     expect(httpx.get(f"{url}/chats/{chat['id']}/messages/nope", headers=alice), 404, "message_not_found")
-    expect(
-        httpx.get(f"{url}/chats/{chat['id']}/messages/nope/events", headers=alice), 404, "message_not_found"
-    )
+    expect(httpx.get(f"{url}/chats/{chat['id']}/messages/nope/events", headers=alice), 404, "message_not_found")
     before = snapshot(url, alice, chat["id"])
     resp = httpx.post(
         f"{url}/chats/{chat['id']}/prompter_message",
@@ -91,16 +87,12 @@ def test_missing_or_bad_credentials_are_401(url: str, chat: dict[str, Any]) -> N
     expect(httpx.get(f"{url}/chats"), 401, "not_authenticated")
     expect(httpx.post(f"{url}/chats", json={}), 401, "not_authenticated")
     expect(httpx.get(f"{url}/chats", headers={"Authorization": "Bearer garbage"}), 401, "invalid_credentials")
-    expect(
-        httpx.get(f"{url}/chats", headers={"Authorization": "Bearer tt_u_nope"}), 401, "invalid_credentials"
-    )
+    expect(httpx.get(f"{url}/chats", headers={"Authorization": "Bearer tt_u_nope"}), 401, "invalid_credentials")
     expect(httpx.get(f"{url}/chats", headers={"Authorization": "Basic abc"}), 401, "not_authenticated")
     assert httpx.get(f"{url}/chats").headers.get("www-authenticate") == "Bearer"
 
 
-def test_parent_of_wrong_role_or_unfinished_is_409(
-    url: str, alice: dict[str, str], chat: dict[str, Any]
-) -> None:
+def test_parent_of_wrong_role_or_unfinished_is_409(url: str, alice: dict[str, str], chat: dict[str, Any]) -> None:
     before = snapshot(url, alice, chat["id"])
     # prompter under prompter
     resp = httpx.post(

@@ -125,9 +125,7 @@ def test_oa_flow_across_two_servers(cluster: tuple[str, str]) -> None:
         },
         headers=headers,
     ).json()
-    assert (
-        events(b, f"/chats/{chat_id}/messages/{reply2['id']}/events", headers)[-1]["event_type"] == "message"
-    )
+    assert events(b, f"/chats/{chat_id}/messages/{reply2['id']}/events", headers)[-1]["event_type"] == "message"
 
 
 def test_stored_rows_are_packed_int32(cluster: tuple[str, str], postgres_url: str) -> None:

@@ -165,9 +165,7 @@ async def test_stop_token(engine: HFEngine) -> None:
     free = await collect(engine, "free", prompt, GenerationParams(12, temperature=0.0))
     stop = free.tokens[4]
     cut = free.tokens.index(stop) + 1
-    result = await collect(
-        engine, "stop", prompt, GenerationParams(12, temperature=0.0, stop_token_ids=(stop,))
-    )
+    result = await collect(engine, "stop", prompt, GenerationParams(12, temperature=0.0, stop_token_ids=(stop,)))
     assert result.tokens == free.tokens[:cut]  # the stop token is included
     assert result.last.finish_reason == "stop" and result.last.stop_reason == stop
 
@@ -205,9 +203,7 @@ async def test_logprobs_match_teacher_forcing(engine: HFEngine, reference: Llama
     prompts = [prompt_of(n, salt=i) for i, n in enumerate([3, 17, 40, 9, 26, 1])]
     # Two waves: the second joins while the first is mid-decode, so caches of different lengths merge.
     first = [asyncio.Event() for _ in range(3)]
-    wave1 = [
-        asyncio.create_task(collect(engine, f"w1-{i}", prompts[i], SAMPLING[i], first[i])) for i in range(3)
-    ]
+    wave1 = [asyncio.create_task(collect(engine, f"w1-{i}", prompts[i], SAMPLING[i], first[i])) for i in range(3)]
     await asyncio.gather(*(e.wait() for e in first))
     wave2 = [collect(engine, f"w2-{i}", prompts[i], SAMPLING[i]) for i in range(3, 6)]
     results = await asyncio.gather(*wave1, *wave2)
@@ -255,10 +251,7 @@ async def test_top_logprobs_contain_sampled_token(engine: HFEngine) -> None:
 async def test_many_concurrent_requests_are_batched(engine: HFEngine) -> None:
     n, tokens = 10, 20
     results = await asyncio.gather(
-        *(
-            collect(engine, f"r{i}", prompt_of(2 + 3 * i, salt=i), GenerationParams(tokens, seed=i))
-            for i in range(n)
-        )
+        *(collect(engine, f"r{i}", prompt_of(2 + 3 * i, salt=i), GenerationParams(tokens, seed=i)) for i in range(n))
     )
     assert all(r.last.finish_reason == "length" and len(r.tokens) == tokens for r in results)
     stats = engine.stats

@@ -179,11 +179,7 @@ async def test_two_queues_share_redis_without_duplicates(redis_url: str, model: 
         for i in range(20):
             await queues[i % 2].enqueue(model, f"msg-{i}", 1)
         batches = await asyncio.gather(
-            *(
-                q.claim(model, f"c{n}-{k}", count=3, timeout_s=0.2)
-                for k in range(5)
-                for n, q in enumerate(queues)
-            )
+            *(q.claim(model, f"c{n}-{k}", count=3, timeout_s=0.2) for k in range(5) for n, q in enumerate(queues))
         )
         ids = [it.message_id for batch in batches for it in batch]
         assert sorted(ids) == sorted(f"msg-{i}" for i in range(20))

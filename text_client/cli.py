@@ -26,9 +26,7 @@ def chat(
             client.login_debug(username or "repl")
         models = [m["name"] for m in client.models()]
         if not models:
-            raise typer.BadParameter(
-                "no worker is connected to the server yet; start one with `tokentrail worker`"
-            )
+            raise typer.BadParameter("no worker is connected to the server yet; start one with `tokentrail worker`")
         name = model or models[0]
         if name not in models:
             raise typer.BadParameter(f"model {name!r} is not offered; offered: {', '.join(models)}")

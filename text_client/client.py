@@ -64,14 +64,10 @@ class ChatClient:
 
     def message(self, chat_id: str, message_id: str, *, tokens: bool = False) -> dict[str, Any]:
         params = {"include": "tokens"} if tokens else None
-        result: dict[str, Any] = self._check(
-            self.http.get(f"/chats/{chat_id}/messages/{message_id}", params=params)
-        )
+        result: dict[str, Any] = self._check(self.http.get(f"/chats/{chat_id}/messages/{message_id}", params=params))
         return result
 
-    def events(
-        self, chat_id: str, message_id: str, last_event_id: int | None = None
-    ) -> Iterator[dict[str, Any]]:
+    def events(self, chat_id: str, message_id: str, last_event_id: int | None = None) -> Iterator[dict[str, Any]]:
         """Yield the message's event payloads (dicts with ``event_type``) until it finishes."""
         headers = {"Accept": "text/event-stream"}
         if last_event_id is not None:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import typer
 
-from server.cli import admin_app, db_app, serve
+from server.cli import admin_app, db_app, export, serve
 from text_client.cli import chat
 from tokentrail.launcher import demo, up
-from worker.cli import model_app, worker
+from worker.cli import model_app, verify, worker
 
 app = typer.Typer(
     help="tokentrail: a chat inference service that keeps every token exactly.",
@@ -19,6 +19,8 @@ app.command("worker")(worker)
 app.command("chat")(chat)
 app.command("up")(up)
 app.command("demo")(demo)
+app.command("export")(export)
+app.command("verify")(verify)
 app.add_typer(db_app, name="db")
 app.add_typer(admin_app, name="admin")
 app.add_typer(model_app, name="model")

@@ -71,9 +71,7 @@ def _stop(proc: subprocess.Popen[bytes], name: str) -> None:
 
 
 @contextlib.contextmanager
-def running_stack(
-    data_dir: Path, port: int, model: str, *, quiet: bool, max_parallel: int = 4
-) -> Iterator[str]:
+def running_stack(data_dir: Path, port: int, model: str, *, quiet: bool, max_parallel: int = 4) -> Iterator[str]:
     """Start server + worker; yield the server URL once the worker's model is offered."""
     from worker.tiny_model import resolve_model
 

@@ -14,15 +14,11 @@ model_app = typer.Typer(help="Local models for tests and demos.", no_args_is_hel
 
 
 def worker(
-    server_url: Annotated[
-        str, typer.Option(envvar="TOKENTRAIL_SERVER_URL", help="e.g. http://127.0.0.1:8000")
-    ],
+    server_url: Annotated[str, typer.Option(envvar="TOKENTRAIL_SERVER_URL", help="e.g. http://127.0.0.1:8000")],
     api_key: Annotated[
         str, typer.Option(envvar="TOKENTRAIL_WORKER_KEY", help="From `tokentrail admin create-worker-key`.")
     ],
-    model: Annotated[
-        str, typer.Option(help="Hugging Face model dir or id, or 'tiny' for the built-in test model.")
-    ],
+    model: Annotated[str, typer.Option(help="Hugging Face model dir or id, or 'tiny' for the built-in test model.")],
     engine: Annotated[str, typer.Option(help="hf (transformers) or vllm.")] = "hf",
     max_parallel: Annotated[int, typer.Option(min=1, max=4096, help="Messages generated at once.")] = 8,
     device: Annotated[str, typer.Option(help="cpu or cuda (hf engine).")] = "cpu",
@@ -30,6 +26,9 @@ def worker(
     served_model_name: Annotated[
         str | None, typer.Option(help="Name clients use (model_config_name). Default: --model.")
     ] = None,
+    prompt_mode: Annotated[
+        str, typer.Option(help="stitch (token-exact, default) or naive (re-render history; for baselines only).")
+    ] = "stitch",
     log_level: Annotated[str, typer.Option()] = "info",
 ) -> None:
     """Connect to a server and generate for it until stopped."""
@@ -38,6 +37,8 @@ def worker(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if engine not in ("hf", "vllm"):
         raise typer.BadParameter("--engine must be hf or vllm")
+    if prompt_mode not in ("stitch", "naive"):
+        raise typer.BadParameter("--prompt-mode must be stitch or naive")
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(
             run_worker(
@@ -49,6 +50,7 @@ def worker(
                 device=device,
                 dtype=dtype,
                 served_model_name=served_model_name,
+                prompt_mode=prompt_mode,  # type: ignore[arg-type]
             )
         )
 
@@ -62,11 +64,41 @@ def model_tiny(
         typer.Option(exists=True, dir_okay=False, help="A Jinja chat template file to use instead."),
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed for the weights.")] = 0,
+    train: Annotated[
+        bool, typer.Option("--train/--no-train", help="Train briefly so it writes closers, reasoning, tool calls.")
+    ] = True,
+    train_steps: Annotated[int | None, typer.Option(min=1, help="Training steps (default 300).")] = None,
 ) -> None:
     """Build a tiny Llama-style model with a locally trained BPE tokenizer, offline and deterministically."""
     from worker.tiny_model import TINY_TEMPLATES, build_tiny_model
 
     if template not in TINY_TEMPLATES:
         raise typer.BadParameter(f"--template must be one of {', '.join(TINY_TEMPLATES)}")
-    path = build_tiny_model(out, template=template, chat_template_file=chat_template, seed=seed)
+    path = build_tiny_model(
+        out, template=template, chat_template_file=chat_template, seed=seed, train=train, train_steps=train_steps
+    )
     typer.echo(str(path))
+
+
+def verify(
+    file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="An export (JSONL or Parquet).")],
+    model: Annotated[str, typer.Option(help="The model that generated it: HF dir or id, or 'tiny'.")],
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    schema: Annotated[
+        str | None, typer.Option(help="The export's --schema (default: read from native records).")
+    ] = None,
+    temperature: Annotated[
+        float | None, typer.Option(help="Sampling temperature for schemas that do not record it.")
+    ] = None,
+) -> None:
+    """Re-score every exported sample by teacher forcing (fp32) and check masks and prefixes."""
+    from worker.tiny_model import resolve_model
+    from worker.verify import verify_file
+
+    try:
+        report = verify_file(file, resolve_model(model), device=device, schema=schema, temperature=temperature)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    typer.echo(report.summary())
+    if not report.ok:
+        raise typer.Exit(code=1)

@@ -59,9 +59,7 @@ class Engine(Protocol):
 
     async def start(self) -> None: ...
 
-    def generate(
-        self, request_id: str, prompt_ids: list[int], params: GenerationParams
-    ) -> AsyncIterator[TokenStep]:
+    def generate(self, request_id: str, prompt_ids: list[int], params: GenerationParams) -> AsyncIterator[TokenStep]:
         """Stream steps until a stop token, ``max_new_tokens`` or ``abort``; the last step has
         ``finish_reason``. A stop token is included in ``token_ids`` of the step that ends."""
         ...

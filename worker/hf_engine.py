@@ -346,9 +346,7 @@ class HFEngine:
             return
         old_len = self._mask.shape[1]
         width = max(old_len, new_len)
-        self._mask = torch.cat(
-            [F.pad(self._mask, (width - old_len, 0)), F.pad(new_mask, (width - new_len, 0))]
-        )
+        self._mask = torch.cat([F.pad(self._mask, (width - old_len, 0)), F.pad(new_mask, (width - new_len, 0))])
         for (layer, keys, values), (_, new_keys, new_values) in zip(
             _kv_layers(self._cache), _kv_layers(cache), strict=True
         ):
@@ -374,9 +372,7 @@ def _kv_layers(cache: DynamicCache) -> list[tuple[DynamicLayer, torch.Tensor, to
     result = []
     for layer in cache.layers:
         if not isinstance(layer, DynamicLayer) or layer.keys is None or layer.values is None:
-            raise RuntimeError(
-                f"unsupported KV cache layer {layer!r}: the hf engine needs attention KV caches"
-            )
+            raise RuntimeError(f"unsupported KV cache layer {layer!r}: the hf engine needs attention KV caches")
         result.append((layer, layer.keys, layer.values))
     return result
 

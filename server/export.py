@@ -32,6 +32,7 @@ from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
 import numpy as np
+import orjson
 from sqlalchemy import ARRAY, Select, String, Text, any_, bindparam, case, cast, func, select, type_coerce
 from sqlalchemy.engine import Dialect
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -123,11 +124,28 @@ def _identity(value: Any) -> Any:
 
 
 def _json_loads(raw: Any) -> Any:
-    """JSON column text -> value, as the driver would give it (``json.loads``: orjson differs on
-    integers over 64 bits, NaN and lone surrogates)."""
+    """JSON column text -> value, as the driver's ``json.loads`` gives it; orjson (~4x faster) where
+    it agrees: it refuses NaN, infinities and lone surrogates, and reads integers beyond 64 bits as
+    floats, so a document with a float that large is read again by ``json``."""
     if raw is None or raw == "null":
         return None
-    return json.loads(raw)
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return json.loads(raw)
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if type(v) is dict:
+            stack.extend(v.values())
+        elif type(v) is list:
+            stack.extend(v)
+        elif type(v) is float and not -_WIDE < v < _WIDE:
+            return json.loads(raw)
+    return value
+
+
+_WIDE = float(2**63)  # floats this large are integers: maybe a wide integer that orjson read as float
 
 
 @dataclass(frozen=True)

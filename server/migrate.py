@@ -7,6 +7,7 @@ from pathlib import Path
 from alembic.config import Config
 
 from alembic import command
+from server.db import ensure_sqlite_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,6 +26,7 @@ def alembic_config(database_url: str) -> Config:
 
 def upgrade(database_url: str, revision: str = "head") -> None:
     """Blocking: run it in a thread from async code (env.py runs its own event loop)."""
+    ensure_sqlite_dir(database_url)
     command.upgrade(alembic_config(database_url), revision)
 
 

@@ -108,6 +108,10 @@ def running_stack(data_dir: Path, port: int, model: str, *, quiet: bool, max_par
         _stop(server, "server")
 
 
+def _interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def up(
     port: int = typer.Option(8000, help="Server port."),
     data_dir: Path | None = typer.Option(
@@ -117,6 +121,9 @@ def up(
 ) -> None:
     """Start a server and one worker on embedded defaults; Ctrl-C stops both."""
     data_dir = data_dir or ServerSettings().data_dir
+    # Stop children on Ctrl-C and on `kill`, also when started in the background (SIGINT ignored).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
     with running_stack(data_dir, port, model, quiet=False) as url:
         typer.echo(f"\nready. chat with: tokentrail chat --server-url {url}\nCtrl-C stops.")
         with contextlib.suppress(KeyboardInterrupt):
@@ -168,7 +175,8 @@ def demo(
                 typer.echo(
                     f"\n    tokens: prompt={len(final['prompt_token_ids'])} "
                     f"completion={len(final['completion_token_ids'])} streamed={streamed} "
-                    f"finish={final['finish_reason']}\n"
+                    f"finish={final['finish_reason']} reused_from_last_turn={final['reused_prefix_len']} "
+                    f"synthetic_closer={final['synthetic_token_count']}\n"
                 )
                 if final["completion_token_ids"] and len(final["completion_token_ids"]) != streamed:
                     raise RuntimeError("streamed and stored token counts differ")

@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -141,15 +140,16 @@ DEMO_TURNS = (
 def demo(
     max_new_tokens: int = typer.Option(40, help="Tokens per reply."),
     model: str = typer.Option("tiny", help="Model for the worker."),
+    data_dir: Path | None = typer.Option(
+        None, help="Database folder (default: the embedded default, so `tokentrail export` finds the chat)."
+    ),
     show_logs: bool = typer.Option(False, help="Show server and worker logs."),
 ) -> None:
     """Start a server and a worker, run a 3-turn chat over HTTP + SSE, print it, stop everything."""
     from text_client.client import ChatClient
 
-    with (
-        tempfile.TemporaryDirectory(prefix="tokentrail-demo-") as tmp,
-        running_stack(Path(tmp), free_port(), model, quiet=not show_logs) as url,
-    ):
+    data_dir = data_dir or ServerSettings().data_dir
+    with running_stack(data_dir, free_port(), model, quiet=not show_logs) as url:
         client = ChatClient(url)
         try:
             client.login_debug("demo")
@@ -183,4 +183,6 @@ def demo(
                 parent = reply["id"]
         finally:
             client.close()
-    typer.echo("demo finished; server and worker stopped.")
+    typer.echo("demo finished; server and worker stopped. The chat is stored; as training data:")
+    typer.echo(f"  tokentrail export --out rollouts.jsonl --chat {chat['id']}")
+    typer.echo(f"  tokentrail verify rollouts.jsonl --model {model}")

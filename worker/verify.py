@@ -161,9 +161,11 @@ def verify_file(
 ) -> VerifyReport:
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from worker.sampling import gather_logprobs, teacher_forced_logprobs
 
+    hf_logging.disable_progress_bar()  # our report is the output
     hf: Any = AutoModelForCausalLM
     model = hf.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
     report = VerifyReport()

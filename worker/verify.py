@@ -165,7 +165,7 @@ def verify_file(
 
     from worker.sampling import gather_logprobs, teacher_forced_logprobs
 
-    hf_logging.disable_progress_bar()  # our report is the output
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # our report is the output
     hf: Any = AutoModelForCausalLM
     model = hf.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
     report = VerifyReport()

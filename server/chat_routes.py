@@ -50,6 +50,13 @@ async def model_configs(state: StateDep) -> list[ModelConfigRead]:
     return sorted((await offered_models(state)).values(), key=lambda m: m.name)
 
 
+def _check_length(content: str) -> None:
+    if len(content) > MAX_CONTENT_CHARS:
+        raise ApiError(
+            ErrorCode.content_too_long, f"content has {len(content)} characters; the limit is {MAX_CONTENT_CHARS}"
+        )
+
+
 @router.get("")
 async def list_chats(
     repo: RepoDep,
@@ -85,22 +92,14 @@ async def update_chat(chat_id: str, body: ChatUpdateRequest, repo: RepoDep) -> C
 
 @router.post("/{chat_id}/prompter_message")
 async def create_prompter_message(chat_id: str, body: CreatePrompterMessageRequest, repo: RepoDep) -> MessageRead:
-    if len(body.content) > MAX_CONTENT_CHARS:
-        raise ApiError(
-            ErrorCode.content_too_long,
-            f"content has {len(body.content)} characters; the limit is {MAX_CONTENT_CHARS}",
-        )
+    _check_length(body.content)
     return message_to_read(await repo.add_prompter_message(chat_id, body.parent_id, body.content))
 
 
 @router.post("/{chat_id}/tool_message")
 async def create_tool_message(chat_id: str, body: CreateToolMessageRequest, repo: RepoDep) -> MessageRead:
     """A tool's result for one call of the assistant message (or tool result) it follows."""
-    if len(body.content) > MAX_CONTENT_CHARS:
-        raise ApiError(
-            ErrorCode.content_too_long,
-            f"content has {len(body.content)} characters; the limit is {MAX_CONTENT_CHARS}",
-        )
+    _check_length(body.content)
     return message_to_read(await repo.add_tool_message(chat_id, body.parent_id, body.tool_call_id, body.content))
 
 

@@ -526,19 +526,28 @@ def _packed_samples(packed: list[_Packed], turns: list[dict[str, Any]]) -> list[
             lps += [0.0] * len(p.delta)
             lps += p.logprobs
             spans.append((start, start + len(p.completion_ids)))
-        temps = [turns[i]["sampling"].get("temperature") for i in group]
-        samples.append(
-            {
-                "token_ids": token_ids,
-                "loss_mask": mask,
-                "logprobs": lps,
-                "prompt_length": spans[0][0],
-                "turn_spans": spans,
-                "turn_indices": group,
-                "temperatures": [1.0 if t is None else float(t) for t in temps],
-            }
-        )
+        samples.append(_sample(token_ids, mask, lps, spans, group, turns))
     return samples
+
+
+def _sample(
+    token_ids: list[int],
+    mask: list[int],
+    lps: list[float],
+    spans: list[tuple[int, int]],
+    group: list[int],
+    turns: list[dict[str, Any]],
+) -> dict[str, Any]:
+    temps = [turns[i]["sampling"].get("temperature") for i in group]
+    return {
+        "token_ids": token_ids,
+        "loss_mask": mask,
+        "logprobs": lps,
+        "prompt_length": spans[0][0],
+        "turn_spans": spans,
+        "turn_indices": group,
+        "temperatures": [1.0 if t is None else float(t) for t in temps],
+    }
 
 
 def build_samples(
@@ -558,16 +567,5 @@ def build_samples(
             spans.append((start, end))
             mask[start:end] = [1] * (end - start)
             lps[start:end] = [0.0 if lp is None else lp for lp in turns[i]["logprobs"]]
-        temps = [turns[i]["sampling"].get("temperature") for i in group]
-        samples.append(
-            {
-                "token_ids": token_ids,
-                "loss_mask": mask,
-                "logprobs": lps,
-                "prompt_length": spans[0][0],
-                "turn_spans": spans,
-                "turn_indices": group,
-                "temperatures": [1.0 if t is None else float(t) for t in temps],
-            }
-        )
+        samples.append(_sample(token_ids, mask, lps, spans, group, turns))
     return samples

@@ -103,14 +103,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.exactness_metrics import (
     TFLA_TOLERANCE,
     Agreement,
+    PrefixCache,
     agreement,
     aligned_prefix,
     bridge_mismatch,
+    cache_block_size,
     closer_mismatch,
     expected_stitch_suffix,
     extension_breaks,
     logprob_deltas,
     naive_training_view,
+    prefix_cache,
     samples_per_rollout,
     share,
     tokens_exact,
@@ -314,13 +317,19 @@ def has_control_text(text: str | None) -> bool:
 # --------------------------------------------------------------------------------------------------
 
 
-def _spawn(args: list[str], log: Path, threads: int | None = None) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def _spawn(
+    args: list[str],
+    log: Path,
+    threads: int | None = None,
+    python: str | None = None,
+    extra_env: dict[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     with open(log, "wb") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "tokentrail", *args], stdout=out, stderr=subprocess.STDOUT, env=env
+            [python or sys.executable, "-m", "tokentrail", *args], stdout=out, stderr=subprocess.STDOUT, env=env
         )
 
 
@@ -335,9 +344,15 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-def _wait_ready(url: str, procs: dict[str, subprocess.Popen[bytes]], logs: Path, models: Sequence[str]) -> None:
-    deadline = time.monotonic() + 180
+def _wait_ready(
+    url: str, procs: dict[str, subprocess.Popen[bytes]], logs: Path, models: Sequence[str], timeout: float = 180
+) -> None:
+    start = time.monotonic()
+    deadline, report = start + timeout, start + 15
     while time.monotonic() < deadline:
+        if models and time.monotonic() >= report:
+            report += 15
+            _say(f"waiting for workers {', '.join(models)}: {time.monotonic() - start:.0f} s")
         for name, proc in procs.items():
             if proc.poll() is not None:
                 tail = (logs / f"{name}.log").read_text(errors="replace")[-3000:]
@@ -351,7 +366,7 @@ def _wait_ready(url: str, procs: dict[str, subprocess.Popen[bytes]], logs: Path,
                 if offered >= set(models):
                     return
         time.sleep(0.2)
-    raise RuntimeError(f"not ready after 180 s: {models or 'server'}")
+    raise RuntimeError(f"not ready after {timeout:.0f} s: {models or 'server'} (logs in {logs})")
 
 
 def _worker_key(data_dir: Path) -> str:
@@ -368,9 +383,23 @@ def _worker_key(data_dir: Path) -> str:
     return asyncio.run(go())
 
 
+VLLM_STARTUP_S = 600  # vLLM on CPU takes 30-60 s to start (more on a busy machine): two start at once
+
+
+def vllm_python() -> str:
+    """The python of the vLLM environment built by ``scripts/vllm_env.sh``."""
+    venv = Path(os.environ.get("TOKENTRAIL_VLLM_VENV") or Path.home() / ".cache/tokentrail/vllm-venv")
+    python = venv / "bin" / "python"
+    if not python.is_file():
+        raise SystemExit(f"--engine vllm: no vLLM environment at {venv}; build it with scripts/vllm_env.sh {venv}")
+    return str(python)
+
+
 @contextlib.contextmanager
-def running_arms(model_dir: str, work: Path, max_parallel: int) -> Iterator[str]:
-    """One server and one worker per arm (same model dir) as child processes; yields the server URL."""
+def running_arms(model_dir: str, work: Path, max_parallel: int, engine: str = "hf") -> Iterator[str]:
+    """One server and one worker per arm (same model dir) as child processes; yields the server URL.
+
+    ``engine`` vllm starts the workers with the vLLM environment's python (``vllm_python``)."""
     from tokentrail.launcher import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
@@ -384,15 +413,22 @@ def running_arms(model_dir: str, work: Path, max_parallel: int) -> Iterator[str]
             work / "server.log",
         )
         _wait_ready(url, procs, work, [])
+        python, extra, engine_args = None, None, ["--engine", engine]
+        if engine == "vllm":
+            python, extra = vllm_python(), {"VLLM_CPU_KVCACHE_SPACE": "1"}
+            engine_args += ["--max-model-len", "2048", "--gpu-memory-utilization", "0.2"]
+            _say(f"starting two vLLM workers with {python} (30-60 s or more each)...")
         for arm in ARMS:
             procs[arm] = _spawn(
                 ["worker", "--server-url", url, "--api-key", key, "--model", model_dir, "--served-model-name", arm,
-                 "--prompt-mode", arm, "--max-parallel", str(max_parallel), "--log-level", "warning"],
+                 "--prompt-mode", arm, "--max-parallel", str(max_parallel), "--log-level", "warning", *engine_args],
                 work / f"{arm}.log",
                 threads=max(1, (os.cpu_count() or 2) // len(ARMS)),
+                python=python,
+                extra_env=extra,
             )  # fmt: skip
-        _wait_ready(url, procs, work, ARMS)
-        _say(f"server at {url}, workers 'stitch' and 'naive' connected")
+        _wait_ready(url, procs, work, ARMS, VLLM_STARTUP_S if engine == "vllm" else 180)
+        _say(f"server at {url}, {engine} workers 'stitch' and 'naive' connected")
         yield url
     finally:
         for proc in reversed(procs.values()):
@@ -655,6 +691,8 @@ class ArmReport:
     fbr_by_construction: bool = False
     examples: list[str] = field(default_factory=list)  # first failures, for investigation
     errors: dict[str, int] = field(default_factory=dict)  # why turns failed (the worker's error), how often
+    cache: PrefixCache | None = None  # None: the engine reports no prefix-cache hits (hf)
+    cache_block: int | None = None
 
     def metrics(self) -> dict[str, Any]:
         conversations = self.counts.get("conversations", 0)
@@ -672,6 +710,18 @@ class ArmReport:
             "closer_mismatches": list(self.closer) if self.closer else None,
             "FBR": 1.0 if self.fbr_by_construction else share(*self.fbr),
             "FBR_counts": None if self.fbr_by_construction else list(self.fbr),
+            "prefix_cache": None
+            if self.cache is None
+            else {
+                "served": self.cache.served,
+                "ideal_served": self.cache.ideal_served,
+                "mean_cached_prompt_share": self.cache.mean_prompt_share,
+                "later_turns": self.cache.turns,
+                "reusable_tokens": self.cache.reusable,
+                "cached_tokens": self.cache.cached,
+                "ideal_tokens": self.cache.ideal,
+                "block_size": self.cache_block,
+            },
         }
         return out
 
@@ -718,8 +768,20 @@ def reference_render(
     return ids + fmt.encode_template_text(rendered[pos:])
 
 
+def cached_tokens(turn: Turn) -> int | None:
+    """``num_cached_tokens`` of a stored turn: prompt tokens the engine served from its prefix cache."""
+    value = turn.stored.get("num_cached_tokens")
+    return None if value is None else int(value)
+
+
+def infer_cache_block(convs: dict[str, list[Conversation]]) -> int | None:
+    """The prefix cache's block size, inferred from every cached count of every arm."""
+    return cache_block_size(cached_tokens(t) for cs in convs.values() for c in cs for t in c.turns)
+
+
 class Evaluator:
-    def __init__(self, fmt: ChatFormat, scorer: Scorer) -> None:
+    def __init__(self, fmt: ChatFormat, scorer: Scorer, cache_block: int | None = None) -> None:
+        self.cache_block = cache_block
         self.fmt = fmt
         self.scorer = scorer
         self.closers = PromptBuilder(fmt).shape.closers
@@ -791,6 +853,10 @@ class Evaluator:
             else:
                 report.tfla += self._tfla_naive(conv)
         report.tef, report.epb, report.fbr = (tef, report.counts["turns"]), (epb, pairs), (forks, later)
+        report.cache_block = self.cache_block
+        report.cache = prefix_cache(
+            ([(t.prompt, t.completion, cached_tokens(t)) for t in c.turns] for c in convs), self.cache_block
+        )
         if arm == "stitch":
             report.bf, report.closer = (bf, stitched), (closer, stitched)
         else:
@@ -902,6 +968,28 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def _cache_rows(reports: dict[str, ArmReport]) -> list[tuple[str, str, str]]:
+    """Prefix-cache rows (stitch, naive): "-" where the engine reports no cache hits."""
+    block = next((r.cache_block for r in reports.values() if r.cache_block), None)
+
+    def cell(report: ArmReport, which: str) -> str:
+        c = report.cache
+        if c is None:
+            return "-"
+        if which == "served":
+            return _ratio(c.served, (c.cached, c.reusable))
+        if which == "ideal":
+            return _ratio(c.ideal_served, (c.ideal, c.reusable))
+        return _ratio(c.mean_prompt_share)
+
+    names = (
+        ("served", "PC   cached / reusable prefix"),
+        ("ideal", f"     block-rounded ideal (block {block or '?'})"),
+        ("prompt", "     mean cached / prompt"),
+    )
+    return [(name, cell(reports["stitch"], which), cell(reports["naive"], which)) for which, name in names]
+
+
 def targets(stitch: dict[str, Any]) -> list[tuple[str, str, bool]]:
     """(name, requirement, passed) for each target of the stitch arm."""
     closer = stitch["closer_mismatches"] or [0, 0]
@@ -919,7 +1007,8 @@ def print_table(config: dict[str, Any], reports: dict[str, ArmReport]) -> None:
     m = {arm: r.metrics() for arm, r in reports.items()}
     s, n = m["stitch"], m["naive"]
     print(
-        f"exactness: template {config['template']}, {config['conversations']} conversations x "
+        f"exactness: engine {config['engine']}, template {config['template']}, "
+        f"{config['conversations']} conversations x "
         f"{config['turns']} user turns, seed {config['seed']}; conversations {config['drive_s']:.0f} s, "
         f"total {config['wall_s']:.0f} s (model cached)"
     )
@@ -936,6 +1025,7 @@ def print_table(config: dict[str, Any], reports: dict[str, ArmReport]) -> None:
         ("BF   bridge fidelity failure", _ratio(s["BF"], s["BF_counts"]), "-"),
         ("     synthetic closer mismatch", _ratio(share(*s["closer_mismatches"]), s["closer_mismatches"]), "-"),
         ("FBR  full-render fallback rate", _ratio(s["FBR"], s["FBR_counts"]), f"{n['FBR']:.3f} (by construction)"),
+        *_cache_rows(reports),
     ]
     print(f"\n{'metric':<36} {'stitch':>22} {'naive':>26}")
     for name, a, b in rows:
@@ -960,6 +1050,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--template", default="chatml", help="chatml, llama3 or a Jinja template file")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--concurrency", type=int, default=8, help="conversations at a time per arm")
+    parser.add_argument(
+        "--engine",
+        choices=("hf", "vllm"),
+        default="hf",
+        help="the workers' engine; vllm runs them with the python of $TOKENTRAIL_VLLM_VENV "
+        "(default ~/.cache/tokentrail/vllm-venv, built by scripts/vllm_env.sh)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--model-dir", help="use this model directory (and its template) instead of a tiny model")
     parser.add_argument("--dump", type=Path, help="also write every conversation (messages, turns) to this JSON file")
@@ -969,6 +1066,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     loaded = json.loads(args.load.read_text()) if args.load else None
     if loaded is not None:
         args.template, args.seed, args.turns = loaded["template"], loaded["seed"], loaded["turns"]
+        args.engine = loaded.get("engine", "hf")
     model_dir = args.model_dir or (loaded["model_dir"] if loaded else prepare_model(args.template))
     fmt = ChatFormat.load(model_dir)
     closers = PromptBuilder(fmt).shape.closers
@@ -988,18 +1086,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         with (
             tempfile.TemporaryDirectory(prefix="tokentrail-exactness-") as tmp,
-            running_arms(model_dir, Path(tmp), args.concurrency) as url,
+            running_arms(model_dir, Path(tmp), args.concurrency, args.engine) as url,
         ):
             convs = asyncio.run(drive(url, scripts, args.concurrency))
     driven = time.monotonic() - start
     _say(f"conversations finished in {driven:.0f} s; re-rendering and re-scoring...")
     if args.dump is not None:
-        meta = {"template": args.template, "seed": args.seed, "turns": args.turns, "model_dir": model_dir}
+        meta = {
+            "template": args.template,
+            "seed": args.seed,
+            "turns": args.turns,
+            "model_dir": model_dir,
+            "engine": args.engine,
+        }
         args.dump.write_text(json.dumps({**meta, "conversations": dump_conversations(convs)}, indent=1))
         _say(f"conversations written to {args.dump}")
-    evaluator = Evaluator(fmt, Scorer(model_dir))
+    evaluator = Evaluator(fmt, Scorer(model_dir), infer_cache_block(convs))
     reports = {arm: evaluator.evaluate(arm, convs[arm]) for arm in ARMS}
     config = {
+        "engine": args.engine,
         "template": args.template,
         "model_dir": model_dir,
         "conversations": args.conversations,

@@ -18,14 +18,17 @@ from shared.stitching import extends, merge_turns
 
 __all__ = [
     "Agreement",
+    "PrefixCache",
     "agreement",
     "aligned_prefix",
     "bridge_mismatch",
+    "cache_block_size",
     "closer_mismatch",
     "expected_stitch_suffix",
     "extension_breaks",
     "logprob_deltas",
     "naive_training_view",
+    "prefix_cache",
     "same_logprobs",
     "samples_per_rollout",
     "share",
@@ -215,3 +218,63 @@ def agreement(deltas: Iterable[float], tolerance: float = TFLA_TOLERANCE) -> Agr
 def share(numerator: int, denominator: int) -> float | None:
     """``numerator / denominator``, or None (printed as n/a) when there is nothing to count."""
     return numerator / denominator if denominator else None
+
+
+def cache_block_size(cached: Iterable[int | None]) -> int | None:
+    """The prefix cache's block size as far as the data shows: the greatest common divisor of the
+    positive cached counts (a prefix cache serves whole blocks only), or None if none is positive."""
+    positive = [c for c in cached if c]
+    return math.gcd(*positive) if positive else None
+
+
+@dataclass(frozen=True)
+class PrefixCache:
+    """How much of each later turn's reusable prefix a prefix cache served (sums over later turns).
+
+    reusable: per later turn, the longest common prefix of its prompt and the previous turn's prompt +
+    completion (for stitch that is ``reused_prefix_len``); cached: the engine's ``num_cached_tokens``;
+    ideal: reusable rounded down to the block size (what a block cache can serve at best);
+    prompt_share_sum: sum over later turns of cached / len(prompt) (its mean is the plain share).
+    """
+
+    turns: int = 0
+    reusable: int = 0
+    cached: int = 0
+    ideal: int = 0
+    prompt_share_sum: float = 0.0
+
+    @property
+    def served(self) -> float | None:
+        """Cached tokens / reusable tokens."""
+        return self.cached / self.reusable if self.reusable else None
+
+    @property
+    def ideal_served(self) -> float | None:
+        """Block-rounded reusable tokens / reusable tokens: the best a block cache can do."""
+        return self.ideal / self.reusable if self.reusable else None
+
+    @property
+    def mean_prompt_share(self) -> float | None:
+        """Plain mean over later turns of cached / len(prompt)."""
+        return self.prompt_share_sum / self.turns if self.turns else None
+
+
+def prefix_cache(
+    conversations: Iterable[Sequence[tuple[Ids, Ids, int | None]]], block: int | None
+) -> PrefixCache | None:
+    """The prefix-cache report over conversations of turns ``(prompt, completion, num_cached_tokens)``;
+    None if any later turn has no cached count (the engine reports none). ``block`` None or 0 means
+    no rounding (ideal = reusable)."""
+    turns = reusable = cached = ideal = 0
+    prompt_share = 0.0
+    for convo in conversations:
+        for (prev_prompt, prev_completion, _), (prompt, _, hit) in itertools.pairwise(convo):
+            if hit is None:
+                return None
+            common = aligned_prefix(prompt, [*prev_prompt, *prev_completion])
+            turns += 1
+            reusable += common
+            cached += hit
+            ideal += common - common % block if block else common
+            prompt_share += hit / len(prompt) if prompt else 0.0
+    return PrefixCache(turns, reusable, cached, ideal, prompt_share)

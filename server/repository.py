@@ -71,6 +71,7 @@ def message_to_read(msg: Message, tokens: MessageTokens | None = None) -> Messag
         read.reused_prefix_len = tokens.reused_prefix_len
         read.synthetic_token_count = tokens.synthetic_token_count
         read.fork = tokens.fork
+        read.num_cached_tokens = tokens.num_cached_tokens
     return read
 
 

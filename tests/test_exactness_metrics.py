@@ -6,14 +6,17 @@ import math
 
 from benchmarks.exactness_metrics import (
     Agreement,
+    PrefixCache,
     agreement,
     aligned_prefix,
     bridge_mismatch,
+    cache_block_size,
     closer_mismatch,
     expected_stitch_suffix,
     extension_breaks,
     logprob_deltas,
     naive_training_view,
+    prefix_cache,
     same_logprobs,
     samples_per_rollout,
     share,
@@ -147,3 +150,33 @@ def test_aligned_prefix_and_share() -> None:
     assert aligned_prefix([], [1]) == 0
     assert share(1, 4) == 0.25
     assert share(0, 0) is None
+
+
+def test_cache_block_size_is_the_gcd_of_positive_counts() -> None:
+    assert cache_block_size([512, 0, None, 256, 768]) == 256
+    assert cache_block_size([16, 48, 32]) == 16
+    assert cache_block_size([0, None]) is None
+    assert cache_block_size([]) is None
+
+
+def test_prefix_cache_counts_later_turns_against_the_previous_prompt_and_completion() -> None:
+    # turn 2 extends turn 1 (prompt + completion) fully; turn 3 re-tokenised: shares 3 tokens only
+    turns = [
+        ([1, 2, 3, 4], [5, 6], None),  # the first turn's count is not used
+        ([1, 2, 3, 4, 5, 6, 7, 8], [9], 4),
+        ([1, 2, 3, 0, 5, 6, 7, 8, 9, 10], [11], 2),
+    ]
+    report = prefix_cache([turns], block=4)
+    assert report == PrefixCache(turns=2, reusable=6 + 3, cached=4 + 2, ideal=4 + 0, prompt_share_sum=4 / 8 + 2 / 10)
+    assert report.served == 6 / 9
+    assert report.ideal_served == 4 / 9
+    assert report.mean_prompt_share == (0.5 + 0.2) / 2
+    unrounded = prefix_cache([turns], block=None)
+    assert unrounded is not None and unrounded.ideal == 9
+
+
+def test_prefix_cache_is_none_without_counts_and_empty_without_later_turns() -> None:
+    assert prefix_cache([[([1, 2], [3], None), ([1, 2, 3, 4], [5], None)]], block=16) is None
+    empty = prefix_cache([[([1, 2], [3], 0)]], block=16)
+    assert empty == PrefixCache()
+    assert empty.served is None and empty.ideal_served is None and empty.mean_prompt_share is None

@@ -21,7 +21,6 @@ from pathlib import Path
 import httpx
 import typer
 
-from server.admin import create_worker_key, open_database
 from server.settings import ServerSettings
 
 
@@ -32,6 +31,9 @@ def free_port() -> int:
 
 
 def _worker_key(data_dir: Path) -> str:
+    # imported here: the worker's environment (e.g. the vLLM venv) runs this CLI without the server's deps
+    from server.admin import create_worker_key, open_database
+
     async def go() -> str:
         engine, sessions = await open_database(ServerSettings(data_dir=data_dir))
         try:

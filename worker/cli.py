@@ -22,17 +22,25 @@ def worker(
     engine: Annotated[str, typer.Option(help="hf (transformers) or vllm.")] = "hf",
     max_parallel: Annotated[int, typer.Option(min=1, max=4096, help="Messages generated at once.")] = 8,
     device: Annotated[str, typer.Option(help="cpu or cuda (hf engine).")] = "cpu",
-    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16 (vllm also: auto).")] = "float32",
     served_model_name: Annotated[
         str | None, typer.Option(help="Name clients use (model_config_name). Default: --model.")
     ] = None,
+    max_model_len: Annotated[int | None, typer.Option(help="vllm: context length (default: the model's).")] = None,
+    gpu_memory_utilization: Annotated[
+        float,
+        typer.Option(
+            min=0.01, max=1.0, help="vllm: share of GPU memory (CPU build: KV cache via VLLM_CPU_KVCACHE_SPACE)."
+        ),
+    ] = 0.9,
+    tensor_parallel_size: Annotated[int, typer.Option(min=1, help="vllm: GPUs to shard the model over.")] = 1,
     prompt_mode: Annotated[
         str, typer.Option(help="stitch (token-exact, default) or naive (re-render history; for baselines only).")
     ] = "stitch",
     log_level: Annotated[str, typer.Option()] = "info",
 ) -> None:
     """Connect to a server and generate for it until stopped."""
-    from worker.runner import run_worker
+    from worker.runner import VLLMOptions, run_worker
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if engine not in ("hf", "vllm"):
@@ -51,6 +59,7 @@ def worker(
                 dtype=dtype,
                 served_model_name=served_model_name,
                 prompt_mode=prompt_mode,  # type: ignore[arg-type]
+                vllm=VLLMOptions(max_model_len, gpu_memory_utilization, tensor_parallel_size),
             )
         )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 from worker.chat_format import ChatFormat
 from worker.client import WorkerClient, WorkerOptions
@@ -13,12 +14,33 @@ from worker.prompt_builder import PromptMode
 log = logging.getLogger(__name__)
 
 
-def make_engine(name: str, model_path: str, *, device: str, dtype: str, max_parallel: int) -> Engine:
+@dataclass(frozen=True)
+class VLLMOptions:
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+
+
+def make_engine(
+    name: str, model_path: str, *, device: str, dtype: str, max_parallel: int, vllm: VLLMOptions | None = None
+) -> Engine:
     if name == "hf":
         from worker.hf_engine import HFEngine
 
         return HFEngine(model_path, device=device, dtype=dtype, max_batch_size=max_parallel)
-    raise ValueError(f"engine {name!r} is not available in this build")
+    if name == "vllm":
+        from worker.vllm_engine import VLLMEngine
+
+        opts = vllm or VLLMOptions()
+        return VLLMEngine(
+            model_path,
+            dtype="auto" if dtype == "auto" else dtype,
+            max_model_len=opts.max_model_len,
+            tensor_parallel_size=opts.tensor_parallel_size,
+            gpu_memory_utilization=opts.gpu_memory_utilization,
+            max_num_seqs=max_parallel,
+        )
+    raise ValueError(f"unknown engine {name!r}: hf or vllm")
 
 
 async def run_worker(
@@ -32,12 +54,13 @@ async def run_worker(
     dtype: str,
     served_model_name: str | None,
     prompt_mode: PromptMode = "stitch",
+    vllm: VLLMOptions | None = None,
 ) -> None:
     from worker.tiny_model import resolve_model
 
     model_path = await asyncio.to_thread(resolve_model, model)
     fmt = await asyncio.to_thread(ChatFormat.load, model_path)
-    engine = make_engine(engine_name, model_path, device=device, dtype=dtype, max_parallel=max_parallel)
+    engine = make_engine(engine_name, model_path, device=device, dtype=dtype, max_parallel=max_parallel, vllm=vllm)
     await engine.start()
     log.info("model %s loaded from %s (engine %s)", model, model_path, engine_name)
     options = WorkerOptions(

@@ -1,0 +1,206 @@
+"""The ``vllm`` engine (DESIGN D6): vLLM's ``AsyncLLM`` behind the token-in, token-steps-out contract.
+
+Requests go in as ``TokensPrompt`` (token IDs only: the tokenizer is never initialised) with
+``RequestOutputKind.DELTA`` outputs, explicit ``max_tokens`` and ``stop_token_ids`` and ``ignore_eos``
+(only the caller's stop IDs end a request). The engine runs with ``logprobs_mode="processed_logprobs"``,
+so the logprob of each sampled token (looked up by id, D7) is taken after penalties, temperature and
+top-k/top-p. Prefix caching is on by default; ``num_cached_tokens`` comes with the first step.
+
+vLLM is imported lazily: its pins (transformers, fastapi) clash with the server's, so it lives in its
+own environment (``scripts/vllm_env.sh``) and importing this module never needs it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import AsyncGenerator
+from pathlib import Path
+from typing import Any
+
+from worker.engine import EngineError, EngineInfo, GenerationParams, TokenStep
+from worker.sampling import param_error
+
+__all__ = ["VLLMEngine"]
+
+_MISSING = "vLLM is not installed: run scripts/vllm_env.sh and start the worker with that environment's python"
+
+
+def _import_vllm() -> Any:
+    try:
+        import vllm
+    except ImportError as exc:
+        raise EngineError("engine_error", f"{_MISSING} ({exc})") from exc
+    return vllm
+
+
+class VLLMEngine:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.9,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int | None = None,
+    ) -> None:
+        self._path = model_path
+        self._args: dict[str, Any] = {
+            "model": model_path,
+            "dtype": dtype,
+            "max_model_len": max_model_len,
+            "tensor_parallel_size": tensor_parallel_size,
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "enable_prefix_caching": enable_prefix_caching,
+            "logprobs_mode": "processed_logprobs",
+            "skip_tokenizer_init": True,  # token IDs in and out; nothing to detokenize
+            "generation_config": "vllm",  # no defaults (eos, temperature, ...) from generation_config.json
+        }
+        if max_num_seqs is not None:
+            self._args["max_num_seqs"] = max_num_seqs
+        self.info = EngineInfo(
+            name="vllm",
+            max_context=max_model_len or _config_context(model_path),
+            extra={"model_path": model_path, "dtype": dtype, "tensor_parallel_size": str(tensor_parallel_size)},
+        )
+        self._llm: Any = None
+        self._vocab = 0
+        self._aborted: set[str] = set()
+
+    async def start(self) -> None:
+        if self._llm is not None:
+            return
+        vllm = _import_vllm()
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._args))
+        model_config = self._llm.model_config
+        self.info.max_context = int(model_config.max_model_len)
+        self._vocab = int(model_config.get_vocab_size())
+        self.info.extra["vllm_version"] = str(vllm.__version__)
+
+    async def close(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+    def _sampling_params(self, params: GenerationParams, limit: int) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if params.typical_p is not None and params.typical_p < 1.0:
+            raise EngineError("bad_request", "typical_p is not supported by the vllm engine")
+        return SamplingParams(
+            n=1,
+            temperature=params.temperature,
+            top_k=params.top_k or 0,  # 0 (or -1): no top-k
+            top_p=1.0 if params.top_p is None else params.top_p,
+            repetition_penalty=1.0 if params.repetition_penalty is None else params.repetition_penalty,
+            seed=params.seed,
+            max_tokens=limit,
+            stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=True,  # stop only on the caller's stop token IDs
+            logprobs=max(1, params.top_logprobs),
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: GenerationParams
+    ) -> AsyncGenerator[TokenStep, None]:
+        if self._llm is None:
+            raise EngineError("not_ready", "engine is not running")
+        if not prompt_ids:
+            raise EngineError("bad_request", "empty prompt")
+        if any(not 0 <= t < self._vocab for t in prompt_ids):
+            raise EngineError("bad_request", f"prompt token ids must be in [0, {self._vocab})")
+        if problem := param_error(params):
+            raise EngineError("bad_request", problem)
+        room = self.info.max_context - len(prompt_ids)
+        if room <= 0:
+            raise EngineError(
+                "context_overflow", f"prompt has {len(prompt_ids)} tokens; the context holds {self.info.max_context}"
+            )
+        from vllm.inputs import TokensPrompt
+
+        sampling = self._sampling_params(params, min(params.max_new_tokens, room))
+        self._aborted.discard(request_id)
+        first = True
+        finished = False
+        try:
+            stream = self._llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), sampling, request_id)
+            async for out in stream:
+                completion = out.outputs[0]
+                step = _step(completion, params.top_logprobs)
+                if first:
+                    step.prompt_token_ids = list(out.prompt_token_ids or [])
+                    step.num_cached_tokens = out.num_cached_tokens
+                    first = False
+                if request_id in self._aborted or completion.finish_reason == "abort":
+                    step.finish_reason, step.stop_reason = "abort", None
+                if step.finish_reason is not None:
+                    finished = True
+                    yield step
+                    return
+                if step.token_ids or step.prompt_token_ids is not None:
+                    yield step
+            # the stream ended without a finished output: vLLM ends aborted streams this way
+            finished = True
+            yield TokenStep(token_ids=[], logprobs=[], finish_reason="abort")
+        except EngineError:
+            raise
+        except ValueError as exc:  # vLLM's input validation
+            code = "context_overflow" if "longer than the maximum model length" in str(exc) else "bad_request"
+            raise EngineError(code, str(exc)) from exc
+        except Exception as exc:
+            raise EngineError("engine_error", f"vLLM generation failed: {exc!r}") from exc
+        finally:
+            self._aborted.discard(request_id)
+            if not finished and self._llm is not None:  # consumer went away: free the slot
+                await self._llm.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        if self._llm is not None:
+            self._aborted.add(request_id)
+            await self._llm.abort(request_id)
+
+
+def _step(completion: Any, top_k: int) -> TokenStep:
+    """One TokenStep from a DELTA ``CompletionOutput``: sampled-token logprobs looked up by id."""
+    token_ids = list(completion.token_ids)
+    per_token = list(completion.logprobs or [])
+    if len(per_token) != len(token_ids):
+        raise EngineError("engine_error", f"vLLM returned {len(per_token)} logprobs for {len(token_ids)} tokens")
+    logprobs = [float(entry[tok].logprob) for tok, entry in zip(token_ids, per_token, strict=True)]
+    step = TokenStep(token_ids=token_ids, logprobs=logprobs)
+    if top_k > 0:
+        step.top_logprobs = [
+            [
+                (tid, float(lp.logprob))
+                for tid, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)
+                if lp.rank <= top_k and not math.isinf(lp.logprob)
+            ][:top_k]
+            for entry in per_token
+        ]
+    reason = completion.finish_reason
+    if reason == "stop":
+        step.finish_reason = "stop"
+        step.stop_reason = completion.stop_reason if isinstance(completion.stop_reason, int) else None
+    elif reason == "length":
+        step.finish_reason = "length"
+    elif reason is not None:
+        step.finish_reason = "abort"
+    return step
+
+
+def _config_context(model_path: str) -> int:
+    """max_position_embeddings from a local config.json (the engine's real limit replaces it at start)."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    config = config.get("text_config", config)
+    return int(config.get("max_position_embeddings") or 0)

@@ -1,13 +1,17 @@
 """Token exactness of stored conversations: stitched prompts vs. naive re-templating, end to end.
 
     python benchmarks/exactness.py [--conversations 20] [--turns 4] [--template chatml|llama3|FILE.jinja]
-                                   [--seed 0] [--concurrency 8] [--json]
+                                   [--seed 0] [--concurrency 8] [--engine hf|vllm] [--json]
 
 Starts one server (embedded SQLite, in-process queue) and two workers on the same tiny model as child
 processes: one with ``--prompt-mode stitch`` served as ``stitch``, one with ``--prompt-mode naive`` (the
 baseline: re-render and re-tokenize the whole text history every turn, as other systems do) served as
 ``naive``. Both arms run the same seeded conversation scripts over real HTTP + SSE, ``--concurrency``
-conversations at a time per arm. ``--template FILE`` builds a tiny model trained on that Jinja template
+conversations at a time per arm. ``--engine vllm`` runs both workers with ``--engine vllm --max-model-len
+2048 --gpu-memory-utilization 0.2`` under the python of the vLLM environment (``$TOKENTRAIL_VLLM_VENV``,
+default ``~/.cache/tokentrail/vllm-venv``, built by ``scripts/vllm_env.sh``) with
+``VLLM_CPU_KVCACHE_SPACE=1``, and waits up to 10 minutes for them to start; TFLA re-scoring still runs
+here with transformers on the same weights. ``--template FILE`` builds a tiny model trained on that Jinja template
 into the cache (keyed by the file's hash; about a minute, once).
 
 The script
@@ -66,6 +70,12 @@ BF   bridge fidelity failure (stitch only; "-" for naive): share of stitched tur
 FBR  full-render fallback rate: share of later turns (not the first of a conversation) whose prompt
      was a full render after a history edit (``fork``). naive: 1.0 by construction (every prompt is a
      full render).
+PC   prefix cache (vllm only; "-" for hf, which reports no cache hits): for each later turn, its reusable
+     prefix is the longest common prefix of its prompt and the previous turn's prompt + completion (for
+     stitch that is ``reused_prefix_len``); reported: sum of ``num_cached_tokens`` / sum of reusable
+     tokens; beside it the block-rounded ideal (each reusable length rounded down to the cache block size,
+     inferred as the gcd of all positive cached counts: a block cache serves whole blocks only), and the
+     plain mean over later turns of ``num_cached_tokens`` / prompt length. Not a target.
 
 Targets for the stitch arm (no history edits here): TEF 0, EPB 0, SPR 1.0, TFLA max |delta| < 1e-4,
 BF 0 (and no closer mismatches), FBR 0; a PASS/FAIL line per target is printed. The exit code is 0

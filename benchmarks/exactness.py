@@ -380,17 +380,10 @@ def _wait_ready(
 
 
 def _worker_key(data_dir: Path) -> str:
-    from server.admin import create_worker_key, open_database
+    from server.admin import issue_worker_key
     from server.settings import ServerSettings
 
-    async def go() -> str:
-        engine, sessions = await open_database(ServerSettings(data_dir=data_dir))
-        try:
-            return await create_worker_key(sessions, "exactness")
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(go())
+    return issue_worker_key(ServerSettings(data_dir=data_dir), "exactness")
 
 
 VLLM_STARTUP_S = 600  # vLLM on CPU takes 30-60 s to start (more on a busy machine): two start at once

@@ -43,3 +43,17 @@ async def open_database(settings: ServerSettings) -> tuple[AsyncEngine, SessionF
         await asyncio.to_thread(migrate.upgrade, url)
     engine = create_engine(url)
     return engine, create_session_factory(engine)
+
+
+def issue_worker_key(settings: ServerSettings, name: str) -> str:
+    """Blocking: a new worker key in the settings' database (migrated first when the settings say so).
+    For launchers, scripts and tests that run outside an event loop."""
+
+    async def go() -> str:
+        engine, sessions = await open_database(settings)
+        try:
+            return await create_worker_key(sessions, name)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(go())

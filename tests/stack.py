@@ -31,16 +31,9 @@ MODEL = "tiny"
 
 def worker_key(settings: ServerSettings) -> str:
     """A new worker key in the settings' database (migrated first if needed)."""
-    from server.admin import create_worker_key, open_database
+    from server.admin import issue_worker_key
 
-    async def go() -> str:
-        engine, sessions = await open_database(settings)
-        try:
-            return await create_worker_key(sessions, "test")
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(go())
+    return issue_worker_key(settings, "test")
 
 
 def free_port() -> int:

@@ -7,7 +7,6 @@ HTTP and SSE. Children are stopped on exit, also on Ctrl-C.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import signal
@@ -32,16 +31,9 @@ def free_port() -> int:
 
 def _worker_key(data_dir: Path) -> str:
     # imported here: the worker's environment (e.g. the vLLM venv) runs this CLI without the server's deps
-    from server.admin import create_worker_key, open_database
+    from server.admin import issue_worker_key
 
-    async def go() -> str:
-        engine, sessions = await open_database(ServerSettings(data_dir=data_dir))
-        try:
-            return await create_worker_key(sessions, "launcher")
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(go())
+    return issue_worker_key(ServerSettings(data_dir=data_dir), "launcher")
 
 
 def _wait_until(

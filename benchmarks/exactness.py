@@ -94,9 +94,7 @@ import math
 import os
 import random
 import re
-import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
@@ -162,7 +160,14 @@ def _say(line: str) -> None:
 
 def prepare_model(template: str) -> str:
     """The directory of the tiny model for a built-in template name or a Jinja template file."""
-    from worker.tiny_model import BUILD_VERSION, TINY_TEMPLATES, build_tiny_model, default_cache_dir, resolve_model
+    from worker.tiny_model import (
+        BUILD_VERSION,
+        TINY_TEMPLATES,
+        build_cached,
+        build_tiny_model,
+        default_cache_dir,
+        resolve_model,
+    )
 
     if template in TINY_TEMPLATES:
         _say(f"preparing tiny-{template} (built and trained once, then cached)...")
@@ -180,19 +185,7 @@ def prepare_model(template: str) -> str:
         _say(f"using the cached model for {path} ({final})")
         return str(final)
     _say(f"building a tiny model trained on {path} ({tokens} tokens) into {final}; about a minute...")
-    models.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=models))
-    try:
-        build_tiny_model(tmp, template=tokens, chat_template_file=path, seed=0)
-        tmp.chmod(stat.S_IMODE(models.stat().st_mode))
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "tokentrail.json").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    build_cached(final, lambda out: build_tiny_model(out, template=tokens, chat_template_file=path, seed=0))
     _say(f"model ready: {final}")
     return str(final)
 

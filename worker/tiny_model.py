@@ -30,6 +30,7 @@ import os
 import shutil
 import stat
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -294,14 +295,21 @@ def resolve_model(name_or_path: str, *, cache_dir: Path | None = None) -> str:
         return name_or_path
     models_dir = Path(cache_dir if cache_dir is not None else default_cache_dir()).expanduser() / "models"
     final = (models_dir / f"{_MODEL_PREFIX}-{template}-s0-v{BUILD_VERSION}").absolute()
+    return build_cached(final, lambda out: build_tiny_model(out, template=template, seed=0))
+
+
+def build_cached(final: Path, build: Callable[[Path], object]) -> str:
+    """Build a model directory once, atomically: ``build(tmp)`` into a temporary sibling, then rename
+    it to ``final``. A reader never sees a partial build; processes racing to build it both end up
+    with the same complete directory (the loser uses the winner's)."""
     if (final / "tokentrail.json").is_file():
         return str(final)
-    models_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=models_dir))
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
-        build_tiny_model(tmp, template=template, seed=0)
+        build(tmp)
         # mkdtemp made it 0700; give it the mode of the models directory it lands in.
-        tmp.chmod(stat.S_IMODE(models_dir.stat().st_mode))
+        tmp.chmod(stat.S_IMODE(final.parent.stat().st_mode))
         try:
             os.rename(tmp, final)
         except OSError:

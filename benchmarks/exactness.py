@@ -780,7 +780,7 @@ class Evaluator:
         self.cache_block = cache_block
         self.fmt = fmt
         self.scorer = scorer
-        self.closers = PromptBuilder(fmt).shape.closers
+        self.closers = PromptBuilder(fmt).shape.history_ends
         self.specials = frozenset(int(i) for i in fmt.tokenizer.all_special_ids)
         self._cache: dict[tuple[int, int, bool], list[int] | None] = {}
 
@@ -1065,7 +1065,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.engine = loaded.get("engine", "hf")
     model_dir = args.model_dir or (loaded["model_dir"] if loaded else prepare_model(args.template))
     fmt = ChatFormat.load(model_dir)
-    closers = PromptBuilder(fmt).shape.closers
+    closers = PromptBuilder(fmt).shape.history_ends
     candidates = []
     the = fmt.encode_content(" the")
     if len(the) == 1:

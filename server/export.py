@@ -101,7 +101,7 @@ _MSG_COLUMNS: tuple[Any, ...] = (
     Message.chat_id,
 )
 _T_ID, _T_PROMPT, _T_COMPLETION, _T_LOGPROBS, _T_FINISH, _T_STOP = range(6)
-_T_ENGINE, _T_TOKENIZER, _T_TEMPLATE, _T_REUSED, _T_SYNTH, _T_FORK = range(6, 12)
+_T_ENGINE, _T_TOKENIZER, _T_TEMPLATE, _T_REUSED, _T_SYNTH, _T_FORK, _T_METHOD = range(6, 13)
 _TOKEN_COLUMNS: tuple[Any, ...] = (
     MessageTokens.message_id,
     MessageTokens.prompt_ids,
@@ -115,6 +115,7 @@ _TOKEN_COLUMNS: tuple[Any, ...] = (
     MessageTokens.reused_prefix_len,
     MessageTokens.synthetic_token_count,
     MessageTokens.fork,
+    MessageTokens.prompt_method,
 )
 _IN_CHUNK = 900  # ids per IN list (SQLite before 3.32 allows 999 parameters)
 
@@ -455,6 +456,7 @@ def _rollout(
                 "synthetic_closer_ids": prompt[reused : reused + synth].tolist() if synth else [],
                 "reused_prefix_len": reused,
                 "fork": t[_T_FORK],
+                "prompt_method": t[_T_METHOD],
                 "prompt_length": len(prompt),
                 "sampling": sampling,
                 "reward": float(m[_M_SCORE]) if m[_M_VOTED] else None,

@@ -146,5 +146,6 @@ class MessageTokens(Base):
     synthetic_token_count: Mapped[int] = mapped_column(Integer, default=0)
     fork: Mapped[bool] = mapped_column(Boolean, default=False)
     num_cached_tokens: Mapped[int | None] = mapped_column(Integer, default=None)
+    prompt_method: Mapped[str | None] = mapped_column(String(32), default=None)
     resumed_at: Mapped[bytes] = mapped_column(LargeBinary, default=b"")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

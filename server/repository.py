@@ -72,6 +72,7 @@ def message_to_read(msg: Message, tokens: MessageTokens | None = None) -> Messag
         read.synthetic_token_count = tokens.synthetic_token_count
         read.fork = tokens.fork
         read.num_cached_tokens = tokens.num_cached_tokens
+        read.prompt_method = tokens.prompt_method
     return read
 
 

@@ -179,6 +179,7 @@ class WorkStore:
                     synthetic_token_count=record.synthetic_token_count,
                     fork=record.fork,
                     num_cached_tokens=record.num_cached_tokens,
+                    prompt_method=record.prompt_method,
                     resumed_at=pack_ids(record.resumed_at),
                 )
             )

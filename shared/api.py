@@ -111,6 +111,7 @@ class MessageRead(BaseModel):
     reused_prefix_len: int | None = None
     synthetic_token_count: int | None = None
     fork: bool | None = None  # the prompt was a full render after a history edit
+    prompt_method: str | None = None  # how the prompt was built (see worker.prompt_builder)
     num_cached_tokens: int | None = None  # prompt tokens the engine served from its prefix cache, if reported
 
 

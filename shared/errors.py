@@ -41,6 +41,7 @@ class ErrorCode(StrEnum):
     protocol_version_mismatch = "protocol_version_mismatch"
     bad_frame = "bad_frame"
     context_overflow = "context_overflow"
+    template_rejected = "template_rejected"  # the chat template refused the conversation (its own message)
     engine_error = "engine_error"
     worker_lost = "worker_lost"
     too_many_attempts = "too_many_attempts"

@@ -70,6 +70,7 @@ class GenerationRecord(BaseModel):
     reused_prefix_len: int = 0
     synthetic_token_count: int = 0
     fork: bool = False
+    prompt_method: str | None = None  # how the worker built the prompt: full|stitch|stitch-history / masked|escaped
     num_cached_tokens: int | None = None
     # parsed from completion_ids for clients; never re-rendered into later prompts
     reasoning_content: str | None = None

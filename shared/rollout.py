@@ -32,6 +32,7 @@ class TurnRecord(BaseModel):
     synthetic_closer_ids: list[int] = Field(default_factory=list)  # closer tokens the model did not generate
     reused_prefix_len: int = 0
     fork: bool = False
+    prompt_method: str | None = None  # how the worker built the prompt (worker.prompt_builder)
     prompt_length: int  # len(prompt_ids) of this turn
     sampling: dict[str, Any] = Field(default_factory=dict)  # the SamplingParameters of the turn, with its seed
     reward: float | None = None  # the turn's vote (-1, 0, 1) when rated

@@ -44,6 +44,49 @@ def synthetic_closer(
 
 
 @dataclass(frozen=True)
+class TurnEnd:
+    """How a completion ended, against the template's closers for its kind of turn.
+
+    ``closed``: it ends on the history closer's last token: nothing to add.
+    ``generation``: it ends with the generation closer (``keep`` tokens long) where the template writes
+    another history closer (gpt-oss ``<|return|>`` vs ``<|end|>``): the closer policy decides.
+    ``open``: it did not close its turn (cut by length, a stop string, a stop token that is not a
+    closer); ``missing`` is what of the history closer must be added (a multi-token closer may already
+    have begun: Command-R7B cut right after ``<|END_RESPONSE|>``).
+    """
+
+    kind: str  # "closed" | "generation" | "open"
+    generation_len: int = 0
+    missing: tuple[int, ...] = ()
+
+
+def turn_end(
+    completion_ids: Sequence[int],
+    finish_reason: str,
+    stop_reason: int | str | None,
+    generation: Sequence[int],
+    history: Sequence[int],
+    other_closers: frozenset[int] = frozenset(),
+) -> TurnEnd:
+    """``other_closers``: last tokens of the template's closers for other kinds of turn (a plain
+    llama3 turn that ended on ``<|eom_id|>`` ended all the same)."""
+    history, generation = tuple(history), tuple(generation)
+    if ends_with_closer(completion_ids, finish_reason, stop_reason, frozenset(history[-1:]) | other_closers):
+        return TurnEnd("closed")
+    if generation and generation != history and tuple(completion_ids[-len(generation) :]) == generation:
+        return TurnEnd("generation", generation_len=len(generation))
+    overlap = next(
+        (
+            k
+            for k in range(min(len(history) - 1, len(completion_ids)), 0, -1)
+            if tuple(completion_ids[-k:]) == history[:k]
+        ),
+        0,
+    )
+    return TurnEnd("open", missing=history[overlap:])
+
+
+@dataclass(frozen=True)
 class Stitched:
     prompt_ids: list[int]
     reused_prefix_len: int  # len(A.prompt_ids + A.completion_ids)

@@ -96,7 +96,7 @@ def test_canonical_conversations_equal_the_full_render(
     fmt: ChatFormat, turns: list[tuple[str, str]], system: str | None
 ) -> None:
     builder = PromptBuilder(fmt)
-    closer = list(builder.shape.plain_closer)
+    closer = list(builder.shape.plain.history)
     messages: list[WorkMessage] = [WorkMessage(id="sys", role="system", content=system)] if system else []
     prior: PriorChain | None = None
     for i, (user, assistant) in enumerate(turns):
@@ -124,13 +124,13 @@ def test_random_completions_are_extended_exactly(fmt: ChatFormat, data: st.DataO
             assert extends(prior.prompt_ids + prior.completion_ids, built.prompt_ids)
             # the turn ended when its last token is a closer the model sampled (stopped on, or hit the
             # length limit with); a stop on another token, or a cut anywhere else, needs the closer
-            ended = prior.completion_ids[-1] in builder.shape.closers
-            assert built.synthetic_token_count == (0 if ended else len(builder.shape.plain_closer))
+            ended = prior.completion_ids[-1] in builder.shape.history_ends
+            assert built.synthetic_token_count == (0 if ended else len(builder.shape.plain.history))
             assert built.reused_prefix_len == len(prior.prompt_ids) + len(prior.completion_ids)
         completion = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=30))
         finish: FinishReason = data.draw(st.sampled_from(["stop", "length"]))
         if finish == "stop" and data.draw(st.booleans()):
-            completion.append(data.draw(st.sampled_from(sorted(builder.shape.closers))))
+            completion.append(data.draw(st.sampled_from(sorted(builder.shape.history_ends))))
         turns.append((built.prompt_ids, completion))
         messages.append(WorkMessage(id=f"a{i}", role="assistant", content=fmt.tokenizer.decode(completion)))
         prior = chain(fmt, f"a{i}", built.prompt_ids, completion, finish, None)
@@ -143,7 +143,7 @@ def _two_turns(fmt: ChatFormat, system: str | None = "be brief") -> tuple[list[W
         WorkMessage(id="u0", role="user", content="hi")
     ]
     first = builder.build(frame(msgs, None))
-    completion = fmt.encode_content("hello") + list(builder.shape.plain_closer)
+    completion = fmt.encode_content("hello") + list(builder.shape.plain.history)
     msgs += [WorkMessage(id="a0", role="assistant", content="hello"), WorkMessage(id="u1", role="user", content="q")]
     return msgs, chain(fmt, "a0", first.prompt_ids, completion, "stop", system)
 
@@ -200,14 +200,14 @@ def test_truncated_turn_gets_a_synthetic_closer(fmt: ChatFormat) -> None:
     msgs, prior = _two_turns(fmt)
     cut = prior.model_copy(update={"completion_ids": prior.completion_ids[:-1], "finish_reason": "length"})
     built = builder.build(frame(msgs, cut))
-    n = len(builder.shape.plain_closer)
+    n = len(builder.shape.plain.history)
     assert built.synthetic_token_count == n
     start = len(cut.prompt_ids) + len(cut.completion_ids)
-    assert built.prompt_ids[start : start + n] == list(builder.shape.plain_closer)
+    assert built.prompt_ids[start : start + n] == list(builder.shape.plain.history)
     # with the closer restored, the prompt is the same as if the model had written it
     assert built.prompt_ids == builder.build(frame(msgs, prior)).prompt_ids
     # a stop on a token that is not the closer (e.g. a bare eos) also gets the closer
     eos = fmt.tokenizer.eos_token_id
-    if eos is not None and eos not in builder.shape.closers:
+    if eos is not None and eos not in builder.shape.history_ends:
         odd = prior.model_copy(update={"completion_ids": [*cut.completion_ids, eos], "stop_reason": eos})
         assert builder.build(frame(msgs, odd)).synthetic_token_count == n

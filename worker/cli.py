@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -37,6 +38,18 @@ def worker(
     prompt_mode: Annotated[
         str, typer.Option(help="stitch (token-exact, default) or naive (re-render history; for baselines only).")
     ] = "stitch",
+    closer_policy: Annotated[
+        str,
+        typer.Option(
+            help="keep: next prompts keep the sampled closer (one training sample per chat); history: use the "
+            "template's history closer where it differs from the sampled one (gpt-oss <|return|> -> <|end|>), "
+            "recorded as a fork that export splits."
+        ),
+    ] = "keep",
+    chat_template_kwargs: Annotated[
+        str | None,
+        typer.Option(help="JSON object of extra chat-template variables, e.g. '{\"enable_thinking\": false}'."),
+    ] = None,
     log_level: Annotated[str, typer.Option()] = "info",
 ) -> None:
     """Connect to a server and generate for it until stopped."""
@@ -47,6 +60,9 @@ def worker(
         raise typer.BadParameter("--engine must be hf or vllm")
     if prompt_mode not in ("stitch", "naive"):
         raise typer.BadParameter("--prompt-mode must be stitch or naive")
+    if closer_policy not in ("keep", "history"):
+        raise typer.BadParameter("--closer-policy must be keep or history")
+    kwargs = _json_object(chat_template_kwargs) if chat_template_kwargs else {}
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(
             run_worker(
@@ -59,9 +75,21 @@ def worker(
                 dtype=dtype,
                 served_model_name=served_model_name,
                 prompt_mode=prompt_mode,  # type: ignore[arg-type]
+                closer_policy=closer_policy,  # type: ignore[arg-type]
+                template_kwargs=kwargs,
                 vllm=VLLMOptions(max_model_len, gpu_memory_utilization, tensor_parallel_size),
             )
         )
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise typer.BadParameter(f"--chat-template-kwargs is not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise typer.BadParameter("--chat-template-kwargs must be a JSON object")
+    return value
 
 
 @model_app.command("tiny")

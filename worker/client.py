@@ -39,7 +39,7 @@ from worker.chat_format import ChatFormat, RenderError
 from worker.detokenizer import IncrementalDetokenizer
 from worker.engine import Engine, EngineError, GenerationParams
 from worker.output_parser import OutputParser
-from worker.prompt_builder import PromptBuilder, PromptMode
+from worker.prompt_builder import CloserPolicy, PromptBuilder, PromptMode, template_error
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ class WorkerOptions:
     heartbeat_interval_s: float = 5.0
     # "naive" re-renders the whole history each turn: only for baselines in benchmarks
     prompt_mode: PromptMode = "stitch"
+    closer_policy: CloserPolicy = "keep"
 
 
 def websocket_url(server_url: str) -> str:
@@ -78,8 +79,8 @@ class WorkerClient:
         self.options = options
         self.engine = engine
         self.fmt = fmt
-        self.prompts = PromptBuilder(fmt, mode=options.prompt_mode)
-        self.parser = OutputParser.for_tokenizer(fmt.tokenizer, fmt.template)
+        self.prompts = PromptBuilder(fmt, mode=options.prompt_mode, closer_policy=options.closer_policy)
+        self.parser = OutputParser.for_tokenizer(fmt.tokenizer, fmt.template_for(None))
         self._ws: ClientConnection | None = None
         self._send_lock = asyncio.Lock()
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -184,7 +185,7 @@ class WorkerClient:
             await self._send(FinishedFrame(message_id=frame.message_id, attempt=frame.attempt, record=record))
             self.completed += 1
         except (RenderError, EngineError) as exc:
-            code = exc.code if isinstance(exc, EngineError) else ErrorCode.bad_request.value
+            code = exc.code if isinstance(exc, EngineError) else template_error(exc).code
             log.warning("message %s failed: %s", frame.message_id, exc)
             await self._send_quietly(
                 FailedFrame(message_id=frame.message_id, attempt=frame.attempt, code=code, message=str(exc))
@@ -310,6 +311,7 @@ class WorkerClient:
             reused_prefix_len=built.reused_prefix_len,
             synthetic_token_count=built.synthetic_token_count,
             fork=built.fork,
+            prompt_method=built.method,
             num_cached_tokens=num_cached,
             resumed_at=[len(resume.token_ids)] if resume else [],
         )

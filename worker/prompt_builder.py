@@ -1,18 +1,30 @@
 """Builds each prompt token-exactly (DESIGN section 5), from the tokenizer and chat template alone.
 
-First turn: the template's full render, message text encoded so it can never forge control
-tokens. Later turns: ``A.prompt + A.completion + closer + bridge`` where A is the nearest
-assistant ancestor with stored tokens (``WorkFrame.prior``). History is never re-rendered.
+First turn (and forks): the template's full render, text encoded forge-proof (``worker.chat_format``).
+Later turns: ``A.prompt + A.completion + closer + bridge`` where A is the nearest assistant ancestor
+with stored tokens (``WorkFrame.prior``). History is never re-rendered.
 
-What a template looks like is learnt by probing it with sentinel messages, once:
-- the turn closer: the special tokens the template writes right after an assistant turn (and
-  after an assistant turn that made tool calls, which may differ: llama3's ``<|eom_id|>``);
-- the bridge: the template renders a fixed base conversation (system, user, assistant shaped like
-  A) followed by the new messages; the text after the base assistant's closer is the bridge, so it
-  starts with the template's separator and renders the new messages exactly as the template would.
+- closer: what the template writes after an assistant turn, learnt by probing
+  (``worker.template_shape``); added as synthetic tokens only where A did not close its turn.
+- bridge: the template renders a base conversation (the real system prompt, a user turn, and an
+  assistant turn shaped like A, with A's tool-call ids and names) followed by the new messages; the
+  bridge is what follows the base assistant's history closer, so it starts with the template's
+  separator and renders the new messages exactly as the template would after such a turn.
 
-A history edit — a changed tokenizer, template, system prompt or tool list, or an assistant
-message between A and the new turn that has no tokens — forks a new chain with a full render.
+Closer policy, for templates whose history closer differs from the token the model stops on (gpt-oss
+stops on ``<|return|>`` but writes ``<|end|>`` in history):
+- ``keep`` (default): the next prompt keeps the sampled tokens; the prompt extends A exactly, and the
+  conversation exports as one training sample.
+- ``history``: the sampled generation closer is replaced by the template's history closer, as the
+  model saw in training; the prompt no longer extends A, so the turn is recorded as a fork and export
+  starts a new sample there.
+
+A history edit — a changed tokenizer, template, system prompt or tool list, or an assistant message
+between A and the new turn that has no tokens — forks a new chain with a full render.
+
+``BuiltPrompt.method`` records how the prompt was built: ``full`` or ``stitch`` (``stitch-history``
+under the history policy when the closer was replaced), then ``/masked`` or ``/escaped`` for how the
+new text was encoded (see ``worker.chat_format``).
 """
 
 from __future__ import annotations
@@ -22,14 +34,14 @@ from typing import Any, Literal
 
 from shared.errors import ErrorCode
 from shared.protocol import WorkFrame, WorkMessage
-from shared.stitching import stitch, synthetic_closer
-from worker.chat_format import ChatFormat, RenderError
+from shared.stitching import stitch, turn_end
+from worker.chat_format import ChatFormat, Rendered, RenderError, TemplateRejected
 from worker.engine import EngineError
+from worker.template_shape import TemplateShape, payload_end, probe_assistant, probe_template
 
 PromptMode = Literal["stitch", "naive"]
-
-_BASE_REPLY = "base reply"  # the base assistant turn's text: located by value among the masked texts
-_PROBE_CALL = {"id": "call_probe", "type": "function", "function": {"name": "probe_fn", "arguments": {}}}
+CloserPolicy = Literal["keep", "history"]
+CLOSER_POLICIES: tuple[str, ...] = ("keep", "history")
 
 
 @dataclass(frozen=True)
@@ -41,72 +53,60 @@ class BuiltPrompt:
     bridge_ids: tuple[int, ...] = ()
     fork: bool = False
     fork_reason: str | None = None
+    method: str = "full/masked"
 
 
-@dataclass(frozen=True)
-class TemplateShape:
-    plain_closer: tuple[int, ...]  # closes an ordinary assistant turn
-    tool_closer: tuple[int, ...]  # closes an assistant turn that made tool calls
-    closers: frozenset[int]
-
-
-def _msg(role: str, content: str, **extra: Any) -> WorkMessage:
-    return WorkMessage(id=f"probe-{role}", role=role, content=content, **extra)
-
-
-def probe_template(fmt: ChatFormat) -> TemplateShape:
-    specials = set(fmt.tokenizer.all_special_ids)
-
-    def closer_after(assistant: WorkMessage) -> tuple[int, ...]:
-        rendered, _ = fmt.render_masked([_msg("user", "u"), assistant], add_generation_prompt=False)
-        # the sentinel of the assistant's content is the last one; closers are the special tokens
-        # at the end of its turn (after any tool-call text), before the trailing separator
-        end = rendered.rfind("\ue001") + 1
-        ids = fmt.encode_template_text(rendered[end:])
-        while ids and ids[-1] not in specials:
-            ids.pop()  # the separator after the closer ("\n" in ChatML)
-        run: list[int] = []
-        while ids and ids[-1] in specials:
-            run.insert(0, ids.pop())
-        return tuple(run)
-
-    plain = closer_after(_msg("assistant", "a"))
-    try:
-        tool = closer_after(_msg("assistant", "a", tool_calls=[_PROBE_CALL])) or plain
-    except Exception:  # templates without tool support: tool turns close like plain ones
-        tool = plain
-    return TemplateShape(plain, tool, frozenset(plain) | frozenset(tool))
+def template_error(exc: RenderError) -> EngineError:
+    if isinstance(exc, TemplateRejected):
+        return EngineError(ErrorCode.template_rejected.value, str(exc))
+    return EngineError(ErrorCode.bad_request.value, str(exc))
 
 
 class PromptBuilder:
-    def __init__(self, fmt: ChatFormat, *, mode: PromptMode = "stitch") -> None:
+    def __init__(self, fmt: ChatFormat, *, mode: PromptMode = "stitch", closer_policy: CloserPolicy = "keep") -> None:
         self.fmt = fmt
         self.mode = mode
-        self.shape = probe_template(fmt)
+        self.closer_policy = closer_policy
+        self.shape: TemplateShape = probe_template(fmt)
 
     def build(self, frame: WorkFrame) -> BuiltPrompt:
         messages, tools = frame.messages, frame.tools
         if self.mode == "naive":
-            return BuiltPrompt(self.full_render(messages, tools))
+            return self._full(messages, tools)
         reason = self._fork_reason(frame)
         if reason is not None:
             has_history = any(m.role == "assistant" for m in messages)
-            return BuiltPrompt(self.full_render(messages, tools), fork=has_history, fork_reason=reason)
+            full = self._full(messages, tools)
+            return BuiltPrompt(full.prompt_ids, fork=has_history, fork_reason=reason, method=full.method)
         prior = frame.prior
         assert prior is not None
         at = next(i for i, m in enumerate(messages) if m.id == prior.message_id)
-        turn_closer = self.shape.tool_closer if prior.has_tool_calls else self.shape.plain_closer
-        closer = synthetic_closer(
-            prior.completion_ids, prior.finish_reason, prior.stop_reason, self.shape.closers, turn_closer
+        closers = self.shape.closers(prior.has_tool_calls)
+        end = turn_end(
+            prior.completion_ids,
+            prior.finish_reason,
+            prior.stop_reason,
+            closers.generation,
+            closers.history,
+            self.shape.history_ends,
         )
-        bridge = self.bridge(messages[: at + 1], messages[at + 1 :], tools)
-        stitched = stitch(prior.prompt_ids, prior.completion_ids, closer, bridge)
+        bridge, encoding = self.bridge(messages[: at + 1], messages[at + 1 :], tools)
+        completion = prior.completion_ids
+        closer: list[int] = list(end.missing)
+        rewritten = end.kind == "generation" and self.closer_policy == "history"
+        if rewritten:
+            completion = completion[: len(completion) - end.generation_len]
+            closer = list(closers.history)
+        stitched = stitch(prior.prompt_ids, completion, closer, bridge)
         return BuiltPrompt(
             stitched.prompt_ids,
             prior_message_id=prior.message_id,
             reused_prefix_len=stitched.reused_prefix_len,
             synthetic_token_count=stitched.synthetic_token_count,
             bridge_ids=tuple(bridge),
+            fork=rewritten,
+            fork_reason="the generation closer was replaced by the template's history closer" if rewritten else None,
+            method=f"{'stitch-history' if rewritten else 'stitch'}/{encoding}",
         )
 
     def _fork_reason(self, frame: WorkFrame) -> str | None:
@@ -130,31 +130,55 @@ class PromptBuilder:
             return "an assistant message without stored tokens follows the stored turn"
         return None
 
-    def full_render(self, messages: list[WorkMessage], tools: list[dict[str, Any]] | None) -> list[int]:
+    def _full(self, messages: list[WorkMessage], tools: list[dict[str, Any]] | None) -> BuiltPrompt:
         try:
-            return self.fmt.render(messages, tools=tools, add_generation_prompt=True)
+            rendered = self.fmt.render_parts(list(messages), add_generation_prompt=True, tools=tools)
         except RenderError as exc:
-            raise EngineError(ErrorCode.bad_request.value, str(exc)) from exc
+            raise template_error(exc) from exc
+        return BuiltPrompt(self.fmt.encode(rendered), method=f"full/{rendered.method}")
+
+    def full_render(self, messages: list[WorkMessage], tools: list[dict[str, Any]] | None) -> list[int]:
+        return self._full(messages, tools).prompt_ids
 
     def bridge(
         self, history: list[WorkMessage], new: list[WorkMessage], tools: list[dict[str, Any]] | None
-    ) -> list[int]:
-        """The new messages rendered after a base conversation shaped like ``history``'s end."""
+    ) -> tuple[list[int], str]:
+        """The new messages rendered after a base conversation shaped like ``history``'s end, and
+        the encoding method used. Variants of the base turn are tried for templates that refuse some
+        (Llama 3.1: one tool call per message); the template's refusal of the new messages themselves
+        is ``template_rejected``."""
         prior_turn = history[-1]
-        base = [m for m in history if m.role == "system"][:1]
-        base += [
-            _msg("user", "base"),
-            _msg("assistant", _BASE_REPLY, tool_calls=prior_turn.tool_calls or None),
-        ]
-        try:
-            rendered, texts = self.fmt.render_masked([*base, *new], add_generation_prompt=True, tools=tools)
-        except RenderError as exc:
-            raise EngineError(ErrorCode.bad_request.value, f"cannot render the new messages: {exc}") from exc
-        marker = f"\ue000tt{texts.index(_BASE_REPLY)}\ue001"
-        pos = rendered.index(marker) + len(marker)
-        turn_closer = self.shape.tool_closer if prior_turn.tool_calls else self.shape.plain_closer
-        closer_text = self.fmt.tokenizer.decode(list(turn_closer), skip_special_tokens=False)
-        cut = rendered.find(closer_text, pos) if closer_text else pos
-        if cut < 0:
-            raise EngineError(ErrorCode.bad_request.value, "the chat template did not close the assistant turn")
-        return self.fmt.encode_masked(rendered[cut + len(closer_text) :], texts)
+        system = [m for m in history if m.role == "system"][:1]
+        calls = prior_turn.tool_calls or None
+        variants = [calls, calls[:1]] if calls and len(calls) > 1 else [calls]
+        closer = self.shape.closers(bool(calls)).history
+        closer_text = self.fmt.tokenizer.decode(list(closer), skip_special_tokens=False) if closer else ""
+        first_error: RenderError | None = None
+        for variant in variants:
+            base: list[WorkMessage | dict[str, Any]] = [
+                *system,
+                {"role": "user", "content": "base question"},
+                probe_assistant("B", variant),
+            ]
+            try:
+                rendered = self.fmt.render_parts([*base, *new], add_generation_prompt=True, tools=tools)
+            except RenderError as exc:
+                first_error = first_error or exc
+                continue
+            return self._cut(rendered, closer_text), rendered.method
+        assert first_error is not None
+        raise template_error(first_error) from first_error
+
+    def _cut(self, rendered: Rendered, closer_text: str) -> list[int]:
+        end = payload_end(rendered.text, "B")
+        if end is None:
+            raise EngineError(ErrorCode.bad_request.value, "the chat template did not render the previous turn")
+        if closer_text:
+            cut = rendered.text.find(closer_text, end)
+            if cut < 0:
+                raise EngineError(ErrorCode.bad_request.value, "the chat template did not close the previous turn")
+            cut += len(closer_text)
+        else:  # no closer: the next message starts at the first control token after the turn's text
+            cut = self.fmt.next_control(rendered.text, end)
+        rendered.text = rendered.text[cut:]
+        return self.fmt.encode(rendered)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from worker.chat_format import ChatFormat
 from worker.client import WorkerClient, WorkerOptions
 from worker.engine import Engine
-from worker.prompt_builder import PromptMode
+from worker.prompt_builder import CloserPolicy, PromptMode
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +55,14 @@ async def run_worker(
     dtype: str,
     served_model_name: str | None,
     prompt_mode: PromptMode = "stitch",
+    closer_policy: CloserPolicy = "keep",
+    template_kwargs: dict[str, Any] | None = None,
     vllm: VLLMOptions | None = None,
 ) -> None:
     from worker.tiny_model import resolve_model
 
     model_path = await asyncio.to_thread(resolve_model, model)
-    fmt = await asyncio.to_thread(ChatFormat.load, model_path)
+    fmt = await asyncio.to_thread(ChatFormat.load, model_path, template_kwargs=template_kwargs)
     engine = make_engine(engine_name, model_path, device=device, dtype=dtype, max_parallel=max_parallel, vllm=vllm)
     await engine.start()
     log.info("model %s loaded from %s (engine %s)", model, model_path, engine_name)
@@ -69,6 +72,7 @@ async def run_worker(
         model_name=served_model_name or model,
         max_parallel=max_parallel,
         prompt_mode=prompt_mode,
+        closer_policy=closer_policy,
     )
     try:
         await WorkerClient(options, engine, fmt).run_forever()

@@ -41,7 +41,9 @@ from worker.tiny_training import DEFAULT_TRAIN_STEPS, tokenizer_corpus, train_ti
 __all__ = [
     "BUILD_VERSION",
     "TINY_TEMPLATES",
+    "TokenLayout",
     "build_tiny_model",
+    "build_tiny_tokenizer",
     "default_cache_dir",
     "resolve_model",
 ]
@@ -52,7 +54,9 @@ BUILD_VERSION = 3
 
 
 @dataclass(frozen=True)
-class _TemplateTokens:
+class TokenLayout:
+    """The special and added tokens of a tokenizer (as its tokenizer_config.json lists them)."""
+
     specials: tuple[str, ...]  # special tokens, in id order (ids 0..)
     added: tuple[str, ...]  # non-special added tokens (single ids, kept by skip_special_tokens), next ids
     eos: str  # the tokenizer's eos_token and config.eos_token_id
@@ -61,7 +65,7 @@ class _TemplateTokens:
     stop: tuple[str, ...]  # generation_config.json eos_token_id (a single id if only one)
 
 
-_CHATML = _TemplateTokens(
+_CHATML = TokenLayout(
     specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
     added=("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"),
     eos="<|im_end|>",
@@ -69,7 +73,7 @@ _CHATML = _TemplateTokens(
     bos=None,
     stop=("<|im_end|>",),
 )
-_LLAMA3 = _TemplateTokens(
+_LLAMA3 = TokenLayout(
     specials=(
         "<|begin_of_text|>",
         "<|end_of_text|>",
@@ -87,7 +91,7 @@ _LLAMA3 = _TemplateTokens(
     stop=("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"),
 )
 # Built-in chat templates (worker/templates/<name>.jinja) and the tokens each needs.
-_TEMPLATE_TOKENS: dict[str, _TemplateTokens] = {"chatml": _CHATML, "llama3": _LLAMA3}
+_TEMPLATE_TOKENS: dict[str, TokenLayout] = {"chatml": _CHATML, "llama3": _LLAMA3}
 TINY_TEMPLATES: tuple[str, ...] = tuple(_TEMPLATE_TOKENS)
 
 _MAX_POSITIONS = 2048
@@ -101,7 +105,7 @@ _MODEL_PREFIX = "tiny"
 # --------------------------------------------------------------------------------------------------
 
 
-def _template_tokens(template: str) -> _TemplateTokens:
+def _template_tokens(template: str) -> TokenLayout:
     try:
         return _TEMPLATE_TOKENS[template]
     except KeyError:
@@ -112,7 +116,7 @@ def _builtin_template_text(template: str) -> str:
     return resources.files("worker").joinpath("templates", f"{template}.jinja").read_text(encoding="utf-8")
 
 
-def _train_tokenizer(tokens: _TemplateTokens) -> object:
+def _train_tokenizer(tokens: TokenLayout) -> object:
     """Train the byte-level BPE; returns a ``tokenizers.Tokenizer``.
 
     Determinism: the BPE trainer counts words in parallel (rayon) into hash maps, but the merges it
@@ -146,11 +150,57 @@ def _train_tokenizer(tokens: _TemplateTokens) -> object:
     return Tokenizer.from_str(json.dumps(data))
 
 
+def build_tiny_tokenizer(out_dir: Path, layout: TokenLayout, chat_template: str) -> Any:
+    """Write a tokenizer with ``layout``'s tokens and ``chat_template``, plus a generation_config.json
+    that stops on ``layout.stop``, to ``out_dir``: enough for ``ChatFormat.load`` (seconds, offline).
+    Returns the ``PreTrainedTokenizerFast``."""
+    import transformers
+
+    hf: Any = transformers
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    named = (layout.eos, layout.pad, layout.bos)
+    tokenizer = hf.PreTrainedTokenizerFast(
+        tokenizer_object=_train_tokenizer(layout),
+        eos_token=layout.eos,
+        pad_token=layout.pad,
+        bos_token=layout.bos,
+        unk_token=None,
+        # transformers 5.x: the other specials must be named here to appear in all_special_tokens/ids
+        # (tokenizer.json marks them special either way, so decode(skip_special_tokens=True) drops them).
+        extra_special_tokens=[t for t in layout.specials if t not in named],
+        clean_up_tokenization_spaces=False,
+        model_max_length=_MAX_POSITIONS,
+    )
+    # transformers 5.x writes a string chat template to chat_template.jinja (not tokenizer_config.json).
+    tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(out_dir)
+    _generation_config(tokenizer, layout).save_pretrained(out_dir)
+    return tokenizer
+
+
+def _token_id(tokenizer: Any, token: str | None) -> int | None:
+    return None if token is None else int(tokenizer.convert_tokens_to_ids(token))
+
+
+def _generation_config(tokenizer: Any, layout: TokenLayout) -> Any:
+    import transformers
+
+    hf: Any = transformers
+    stop_ids = [_token_id(tokenizer, t) for t in layout.stop]
+    return hf.GenerationConfig(
+        bos_token_id=_token_id(tokenizer, layout.bos),
+        eos_token_id=stop_ids[0] if len(stop_ids) == 1 else stop_ids,
+        pad_token_id=_token_id(tokenizer, layout.pad),
+    )
+
+
 def build_tiny_model(
     out_dir: Path,
     *,
     template: str = "chatml",
     chat_template_file: Path | None = None,
+    layout: TokenLayout | None = None,
     seed: int = 0,
     train: bool = True,
     train_steps: int | None = None,
@@ -159,9 +209,11 @@ def build_tiny_model(
 
     ``template`` names a built-in template (see ``TINY_TEMPLATES``) and picks the special tokens; if
     ``chat_template_file`` is given its text is used as the chat template instead of the built-in one
-    (and the training conversations are rendered with it). ``seed`` only affects the weights (the
-    tokenizer is the same for every seed). ``train=False`` skips training and leaves the seeded random
-    weights (a few seconds instead of about a minute); ``train_steps`` overrides the step count.
+    (and the training conversations are rendered with it); ``layout`` gives the tokenizer's special and
+    added tokens instead of the built-in template's (for real templates: see ``benchmarks/template_zoo``).
+    ``seed`` only affects the weights (the tokenizer is the same for every seed). ``train=False`` skips
+    training and leaves the seeded random weights (a few seconds instead of about a minute);
+    ``train_steps`` overrides the step count.
     """
     import torch
     import transformers
@@ -170,38 +222,16 @@ def build_tiny_model(
     hf: Any = transformers
 
     out_dir = Path(out_dir)
-    tokens = _template_tokens(template)
+    tokens = layout if layout is not None else _template_tokens(template)
     if chat_template_file is not None:
         chat_template = Path(chat_template_file).read_text(encoding="utf-8")
     else:
         chat_template = _builtin_template_text(template)
     steps = (DEFAULT_TRAIN_STEPS if train_steps is None else train_steps) if train else 0
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-
-    named = (tokens.eos, tokens.pad, tokens.bos)
-    tokenizer = hf.PreTrainedTokenizerFast(
-        tokenizer_object=_train_tokenizer(tokens),
-        eos_token=tokens.eos,
-        pad_token=tokens.pad,
-        bos_token=tokens.bos,
-        unk_token=None,
-        # transformers 5.x: the other specials must be named here to appear in all_special_tokens/ids
-        # (tokenizer.json marks them special either way, so decode(skip_special_tokens=True) drops them).
-        extra_special_tokens=[t for t in tokens.specials if t not in named],
-        clean_up_tokenization_spaces=False,
-        model_max_length=_MAX_POSITIONS,
-    )
-    # transformers 5.x writes a string chat template to chat_template.jinja (not tokenizer_config.json).
-    tokenizer.chat_template = chat_template
-    tokenizer.save_pretrained(out_dir)
-
-    def token_id(token: str) -> int:
-        return int(tokenizer.convert_tokens_to_ids(token))
-
-    eos_id, pad_id = token_id(tokens.eos), token_id(tokens.pad)
-    bos_id = token_id(tokens.bos) if tokens.bos is not None else None
-    stop_ids = [token_id(t) for t in tokens.stop]
+    tokenizer = build_tiny_tokenizer(out_dir, tokens, chat_template)
+    eos_id, pad_id = _token_id(tokenizer, tokens.eos), _token_id(tokenizer, tokens.pad)
+    bos_id = _token_id(tokenizer, tokens.bos)
     config = hf.LlamaConfig(
         vocab_size=len(tokenizer),
         # Big enough to learn the chat structure in a few hundred CPU steps, small enough to train fast.
@@ -224,11 +254,7 @@ def build_tiny_model(
         model = hf.LlamaForCausalLM(config).float()
         if steps:
             train_tiny_model(model, tokenizer, seed=seed, steps=steps)
-    model.generation_config = hf.GenerationConfig(
-        bos_token_id=bos_id,
-        eos_token_id=stop_ids[0] if len(stop_ids) == 1 else stop_ids,
-        pad_token_id=pad_id,
-    )
+    model.generation_config = _generation_config(tokenizer, tokens)
     # transformers 5.x always writes safetensors (its safe_serialization argument is gone) and shows a
     # "Writing model shards" progress bar, silenced here.
     bars = hf.utils.logging.is_progress_bar_enabled()

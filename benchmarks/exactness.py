@@ -172,6 +172,11 @@ def prepare_model(template: str) -> str:
     if template in TINY_TEMPLATES:
         _say(f"preparing tiny-{template} (built and trained once, then cached)...")
         return resolve_model(f"tiny-{template}")
+    from benchmarks.template_zoo import FAMILIES, family, zoo_model
+
+    if template in FAMILIES:  # a real template with its model's tokens, random weights (seconds)
+        _say(f"preparing a random-weight tiny model with the {template} template and tokens...")
+        return zoo_model(family(template))
     path = Path(template)
     if not path.is_file():
         raise SystemExit(f"--template: {template!r} is neither a built-in template ({TINY_TEMPLATES}) nor a file")
@@ -1043,7 +1048,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--conversations", type=int, default=20)
     parser.add_argument("--turns", type=int, default=4, help="user messages per conversation")
-    parser.add_argument("--template", default="chatml", help="chatml, llama3 or a Jinja template file")
+    parser.add_argument(
+        "--template",
+        default="chatml",
+        help="chatml, llama3, a Jinja template file, or a real family of benchmarks/template_zoo (e.g. gpt-oss)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--concurrency", type=int, default=8, help="conversations at a time per arm")
     parser.add_argument(

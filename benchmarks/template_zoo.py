@@ -31,7 +31,16 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker.tiny_model import BUILD_VERSION, TokenLayout, build_cached, build_tiny_model, default_cache_dir
+from worker.chat_format import ChatFormat
+from worker.tiny_model import (
+    BUILD_VERSION,
+    LLAMA3_SPECIALS,
+    TokenLayout,
+    build_cached,
+    build_tiny_model,
+    build_tiny_tokenizer,
+    default_cache_dir,
+)
 
 SOURCE_PACKAGE = "llama-cpp-python"
 SOURCE_VERSION = "0.3.36"
@@ -106,16 +115,7 @@ _QWEN3 = TokenLayout(
     bos=None,
     stop=("<|im_end|>", "<|endoftext|>"),
 )
-_LLAMA3_SPECIALS = (
-    "<|begin_of_text|>",
-    "<|end_of_text|>",
-    "<|start_header_id|>",
-    "<|end_header_id|>",
-    "<|eot_id|>",
-    "<|eom_id|>",
-    "<|python_tag|>",
-    "<|finetune_right_pad_id|>",
-)
+_LLAMA3_SPECIALS = LLAMA3_SPECIALS
 _LLAMA31 = TokenLayout(
     specials=_LLAMA3_SPECIALS,
     added=(),
@@ -452,3 +452,15 @@ def zoo_model(template: ZooTemplate, *, train_steps: int = 0, cache_dir: Path | 
             train_steps=train_steps or None,
         ),
     )
+
+
+def zoo_format(template: ZooTemplate, *, cache_dir: Path | None = None) -> ChatFormat:
+    """The ChatFormat of a template with its tokens: a tokenizer only (no weights), built once, cached."""
+    key = hashlib.sha256((template.text + repr(template.layout)).encode()).hexdigest()[:12]
+    final = ((cache_dir or default_cache_dir()) / "zoo-tokenizers" / f"{template.name}-{key}").absolute()
+
+    def build(out: Path) -> None:
+        build_tiny_tokenizer(out, template.layout, template.text)
+        (out / "tokentrail.json").write_text("{}\n")
+
+    return ChatFormat.load(build_cached(final, build), template_kwargs=template.kwargs)

@@ -30,27 +30,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.template_sim import check_template
-from benchmarks.template_zoo import FAMILIES, fetch_templates, load_zoo
-from worker.chat_format import ChatFormat
-from worker.tiny_model import build_cached, build_tiny_tokenizer, default_cache_dir
-
-
-def _fmt(template: Any) -> ChatFormat:
-    import hashlib
-
-    key = hashlib.sha256((template.text + repr(template.layout)).encode()).hexdigest()[:12]
-    final = (default_cache_dir() / "zoo-tokenizers" / f"{template.name}-{key}").absolute()
-
-    def build(out: Path) -> None:
-        build_tiny_tokenizer(out, template.layout, template.text)
-        (out / "tokentrail.json").write_text("{}\n")
-
-    return ChatFormat.load(build_cached(final, build), template_kwargs=template.kwargs)
+from benchmarks.template_zoo import FAMILIES, fetch_templates, load_zoo, zoo_format
 
 
 def row(template: Any, policy: str) -> dict[str, Any]:
     try:
-        fmt = _fmt(template)
+        fmt = zoo_format(template)
         report = check_template(template.name, fmt, closer_policy=policy)  # type: ignore[arg-type]
     except Exception as exc:  # a template transformers cannot load or render at all
         return {"template": template.name, "derived": template.derived, "error": f"{type(exc).__name__}: {exc}"}

@@ -10,31 +10,23 @@ the template is prefix-stable, no control token from user or tool text.
 
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from benchmarks.template_sim import TOOLS, check_template
-from benchmarks.template_zoo import FAMILIES, ZooTemplate, family, load_zoo, zoo_model
+from benchmarks.template_zoo import FAMILIES, ZooTemplate, family, load_zoo, zoo_format, zoo_model
 from shared.protocol import PriorChain, WorkFrame, WorkMessage
 from shared.stitching import extends
 from worker.chat_format import ChatFormat
 from worker.engine import EngineError
 from worker.prompt_builder import PromptBuilder
-from worker.tiny_model import build_cached, build_tiny_tokenizer, default_cache_dir
 
 # Templates that transformers' sandboxed Jinja itself cannot render (list.append, a generator passed
 # to tojson): they are written for llama.cpp's own engine. Checked below to fail in plain
 # apply_chat_template too, so the failure is not ours.
 UNRENDERABLE = {"Kimi-K2-Instruct", "Kimi-K2-Thinking", "llama-cpp-deepseek-r1"}
-
-
-def _tokenizer(out: Path, template: ZooTemplate) -> None:
-    build_tiny_tokenizer(out, template.layout, template.text)
-    (out / "tokentrail.json").write_text("{}\n")
 
 
 _FORMATS: dict[str, ChatFormat] = {}
@@ -44,10 +36,7 @@ def fmt_of(name: str) -> ChatFormat:
     """The ChatFormat (tokenizer only, cached) of a family (``"gpt-oss"``) or a template file stem."""
     if name not in _FORMATS:
         template = family(name) if name in FAMILIES else next(t for t in load_zoo() if t.name == name)
-        key = hashlib.sha256((template.text + repr(template.layout)).encode()).hexdigest()[:12]
-        final = (default_cache_dir() / "zoo-tokenizers" / f"{template.name}-{key}").absolute()
-        path = build_cached(final, lambda out: _tokenizer(out, template))
-        _FORMATS[name] = ChatFormat.load(path, template_kwargs=template.kwargs)
+        _FORMATS[name] = zoo_format(template)
     return _FORMATS[name]
 
 

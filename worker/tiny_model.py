@@ -40,6 +40,7 @@ from worker.tiny_training import DEFAULT_TRAIN_STEPS, tokenizer_corpus, train_ti
 
 __all__ = [
     "BUILD_VERSION",
+    "LLAMA3_SPECIALS",
     "TINY_TEMPLATES",
     "TokenLayout",
     "build_tiny_model",
@@ -73,17 +74,18 @@ _CHATML = TokenLayout(
     bos=None,
     stop=("<|im_end|>",),
 )
+LLAMA3_SPECIALS: tuple[str, ...] = (
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|python_tag|>",
+    "<|finetune_right_pad_id|>",
+)
 _LLAMA3 = TokenLayout(
-    specials=(
-        "<|begin_of_text|>",
-        "<|end_of_text|>",
-        "<|start_header_id|>",
-        "<|end_header_id|>",
-        "<|eot_id|>",
-        "<|eom_id|>",
-        "<|python_tag|>",
-        "<|finetune_right_pad_id|>",
-    ),
+    specials=LLAMA3_SPECIALS,
     added=(),
     eos="<|end_of_text|>",
     pad="<|finetune_right_pad_id|>",

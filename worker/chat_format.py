@@ -200,8 +200,10 @@ class ChatFormat:
         return self._control_strings
 
     def _escaper(self) -> _Escaper:
-        alternatives = [*map(re.escape, self.control_strings), f"[{_DELIMITERS}]"]
-        return _Escaper(re.compile("|".join(alternatives)))
+        if not hasattr(self, "_escape_re"):  # compiled once: every prompt build escapes its texts
+            alternatives = [*map(re.escape, self.control_strings), f"[{_DELIMITERS}]"]
+            self._escape_re = re.compile("|".join(alternatives))
+        return _Escaper(self._escape_re)
 
     def encode_template_text(self, text: str) -> list[int]:
         """Template text: special tokens in it are real control tokens."""

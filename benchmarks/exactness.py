@@ -158,7 +158,7 @@ def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def prepare_model(template: str) -> str:
+def prepare_model(template: str, train_steps: int = 100) -> str:
     """The directory of the tiny model for a built-in template name or a Jinja template file."""
     from worker.tiny_model import (
         BUILD_VERSION,
@@ -174,9 +174,9 @@ def prepare_model(template: str) -> str:
         return resolve_model(f"tiny-{template}")
     from benchmarks.template_zoo import FAMILIES, family, zoo_model
 
-    if template in FAMILIES:  # a real template with its model's tokens, random weights (seconds)
-        _say(f"preparing a random-weight tiny model with the {template} template and tokens...")
-        return zoo_model(family(template))
+    if template in FAMILIES:  # a real template with its model's tokens, briefly trained (cached)
+        _say(f"preparing a tiny model with the {template} template and tokens ({train_steps} training steps)...")
+        return zoo_model(family(template), train_steps=train_steps)
     path = Path(template)
     if not path.is_file():
         raise SystemExit(f"--template: {template!r} is neither a built-in template ({TINY_TEMPLATES}) nor a file")
@@ -397,43 +397,75 @@ def vllm_python() -> str:
 
 
 @contextlib.contextmanager
-def running_arms(model_dir: str, work: Path, max_parallel: int, engine: str = "hf") -> Iterator[str]:
-    """One server and one worker per arm (same model dir) as child processes; yields the server URL.
-
-    ``engine`` vllm starts the workers with the vLLM environment's python (``vllm_python``)."""
+def running_server(work: Path) -> Iterator[tuple[str, str]]:
+    """One server (embedded SQLite under ``work``) as a child process; yields (URL, worker key)."""
     from tokentrail.launcher import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     data = work / "data"
     data.mkdir()
     key = _worker_key(data)
+    proc = _spawn(
+        ["serve", "--port", url.rsplit(":", 1)[1], "--data-dir", str(data), "--log-level", "warning"],
+        work / "server.log",
+    )
+    try:
+        _wait_ready(url, {"server": proc}, work, [])
+        yield url, key
+    finally:
+        _stop(proc)
+
+
+@contextlib.contextmanager
+def running_workers(
+    url: str,
+    key: str,
+    work: Path,
+    model_dir: str,
+    modes: dict[str, str],
+    max_parallel: int,
+    engine: str = "hf",
+    extra_args: Sequence[str] = (),
+) -> Iterator[None]:
+    """One worker per served name (``modes``: name -> prompt mode) on ``model_dir``, as child processes.
+
+    ``engine`` vllm starts them with the vLLM environment's python (``vllm_python``)."""
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
-        procs["server"] = _spawn(
-            ["serve", "--port", url.rsplit(":", 1)[1], "--data-dir", str(data), "--log-level", "warning"],
-            work / "server.log",
-        )
-        _wait_ready(url, procs, work, [])
         python, extra, engine_args = None, None, ["--engine", engine]
         if engine == "vllm":
             python, extra = vllm_python(), {"VLLM_CPU_KVCACHE_SPACE": "1"}
             engine_args += ["--max-model-len", "2048", "--gpu-memory-utilization", "0.2"]
-            _say(f"starting two vLLM workers with {python} (30-60 s or more each)...")
-        for arm in ARMS:
-            procs[arm] = _spawn(
-                ["worker", "--server-url", url, "--api-key", key, "--model", model_dir, "--served-model-name", arm,
-                 "--prompt-mode", arm, "--max-parallel", str(max_parallel), "--log-level", "warning", *engine_args],
-                work / f"{arm}.log",
-                threads=max(1, (os.cpu_count() or 2) // len(ARMS)),
+            _say(f"starting {len(modes)} vLLM worker(s) with {python} (30-60 s or more each)...")
+        for name, mode in modes.items():
+            procs[name] = _spawn(
+                ["worker", "--server-url", url, "--api-key", key, "--model", model_dir, "--served-model-name", name,
+                 "--prompt-mode", mode, "--max-parallel", str(max_parallel), "--log-level", "warning",
+                 *engine_args, *extra_args],
+                work / f"{name}.log",
+                threads=max(1, (os.cpu_count() or 2) // len(modes)),
                 python=python,
                 extra_env=extra,
             )  # fmt: skip
-        _wait_ready(url, procs, work, ARMS, VLLM_STARTUP_S if engine == "vllm" else 180)
-        _say(f"server at {url}, {engine} workers 'stitch' and 'naive' connected")
-        yield url
+        _wait_ready(url, procs, work, list(modes), VLLM_STARTUP_S if engine == "vllm" else 180)
+        yield
     finally:
         for proc in reversed(procs.values()):
             _stop(proc)
+
+
+@contextlib.contextmanager
+def running_arms(
+    model_dir: str, work: Path, max_parallel: int, engine: str = "hf", extra_args: Sequence[str] = ()
+) -> Iterator[str]:
+    """One server and one worker per arm (same model dir) as child processes; yields the server URL."""
+    modes = {arm: arm for arm in ARMS}
+    with (
+        running_server(work) as (url, key),
+        running_workers(url, key, work, model_dir, modes, max_parallel, engine, extra_args),
+    ):
+        _say(f"server at {url}, {engine} workers 'stitch' and 'naive' connected")
+        yield url
 
 
 # --------------------------------------------------------------------------------------------------
@@ -575,24 +607,26 @@ async def run_conversation(client: httpx.AsyncClient, arm: str, script: Script) 
     return conv
 
 
-async def drive(url: str, scripts: list[Script], concurrency: int) -> dict[str, list[Conversation]]:
+async def drive(
+    url: str, scripts: list[Script], concurrency: int, arms: Sequence[str] = ARMS
+) -> dict[str, list[Conversation]]:
     timeout = httpx.Timeout(60.0, read=600.0)
     async with httpx.AsyncClient(base_url=url, timeout=timeout) as client:
         resp = await client.get("/auth/callback/debug", params={"code": "exactness"})
         resp.raise_for_status()
         client.headers["Authorization"] = f"Bearer {resp.json()['access_token']['access_token']}"
-        done = dict.fromkeys(ARMS, 0)
-        gates = {arm: asyncio.Semaphore(concurrency) for arm in ARMS}
+        done = dict.fromkeys(arms, 0)
+        gates = {arm: asyncio.Semaphore(concurrency) for arm in arms}
 
         async def one(arm: str, script: Script) -> Conversation:
             async with gates[arm]:
                 conv = await run_conversation(client, arm, script)
             done[arm] += 1
-            _say("conversations done: " + ", ".join(f"{a} {done[a]}/{len(scripts)}" for a in ARMS))
+            _say("conversations done: " + ", ".join(f"{a} {done[a]}/{len(scripts)}" for a in arms))
             return conv
 
-        results = await asyncio.gather(*(one(arm, s) for arm in ARMS for s in scripts))
-    return {arm: [c for c in results if c.arm == arm] for arm in ARMS}
+        results = await asyncio.gather(*(one(arm, s) for arm in arms for s in scripts))
+    return {arm: [c for c in results if c.arm == arm] for arm in arms}
 
 
 def dump_conversations(convs: dict[str, list[Conversation]]) -> dict[str, Any]:
@@ -785,7 +819,11 @@ class Evaluator:
         self.cache_block = cache_block
         self.fmt = fmt
         self.scorer = scorer
-        self.closers = PromptBuilder(fmt).shape.history_ends
+        shape = PromptBuilder(fmt).shape
+        self.closers = shape.history_ends
+        # a render that ends on an assistant turn may close it the generation way (gpt-oss <|return|>
+        # where history has <|end|>): counting turns in such a render needs both kinds of ends
+        self.turn_ends = self.closers | frozenset(c.generation[-1] for c in (shape.plain, shape.tool) if c.generation)
         self.specials = frozenset(int(i) for i in fmt.tokenizer.all_special_ids)
         self._cache: dict[tuple[int, int, bool], list[int] | None] = {}
 
@@ -927,14 +965,14 @@ class Evaluator:
             history = self.render(conv, prior.at + 1, False)
             expected = None
             if full is not None and history is not None:
-                expected = expected_stitch_suffix(full, history, self.closers, self.specials)
+                expected = expected_stitch_suffix(full, history, self.turn_ends, self.specials)
             reused = int(t.stored.get("reused_prefix_len") or 0)
             synthetic = int(t.stored.get("synthetic_token_count") or 0)
             if expected is None or bridge_mismatch(t.prompt, reused, synthetic, expected[1]):
                 bf += 1
                 self._example(report, conv, t, "bridge")
             closed = turn_closed(
-                prior.completion, prior.stored.get("finish_reason"), prior.stored.get("stop_reason"), self.closers
+                prior.completion, prior.stored.get("finish_reason"), prior.stored.get("stop_reason"), self.turn_ends
             )
             if expected is None or closer_mismatch(t.prompt, reused, synthetic, expected[0], closed):
                 closer += 1
@@ -1044,10 +1082,23 @@ def print_table(config: dict[str, Any], reports: dict[str, ArmReport]) -> None:
         print(f"  stitch failure: {line}")
 
 
+def stop_candidates(fmt: ChatFormat) -> list[int]:
+    """Stop token ids the script draws from: " the" (if one token) and eos where eos is not a closer."""
+    closers = PromptBuilder(fmt).shape.history_ends
+    candidates = []
+    the = fmt.encode_content(" the")
+    if len(the) == 1:
+        candidates.append(the[0])
+    eos = fmt.tokenizer.eos_token_id
+    if isinstance(eos, int) and eos not in closers:
+        candidates.append(eos)
+    return candidates
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--conversations", type=int, default=20)
-    parser.add_argument("--turns", type=int, default=4, help="user messages per conversation")
+    parser.add_argument("--conversations", type=int, help="per template (default 20; 4 with --folder)")
+    parser.add_argument("--turns", type=int, help="user messages per conversation (default 4; 3 with --folder)")
     parser.add_argument(
         "--template",
         default="chatml",
@@ -1066,22 +1117,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model-dir", help="use this model directory (and its template) instead of a tiny model")
     parser.add_argument("--dump", type=Path, help="also write every conversation (messages, turns) to this JSON file")
     parser.add_argument("--load", type=Path, help="evaluate the conversations of a --dump file; drive nothing")
+    parser.add_argument(
+        "--closer-policy",
+        choices=("keep", "history"),
+        default="keep",
+        help="the workers' --closer-policy (matters where a template's history closer is not its stop token)",
+    )
+    parser.add_argument(
+        "--folder",
+        help="run the stitch arm on every template of a folder, one row each: 'all' (every source of "
+        "benchmarks/template_zoo), a source (llama.cpp, vllm) or a directory of .jinja files",
+    )
+    parser.add_argument("--only", help="with --folder: comma-separated template file stems or family names")
+    parser.add_argument(
+        "--train-steps",
+        type=int,
+        default=100,
+        help="--folder and real families of --template: training steps of the tiny model (cached)",
+    )
     args = parser.parse_args(argv)
+    if args.folder:
+        from benchmarks.exactness_zoo import FolderOptions
+        from benchmarks.exactness_zoo import main as folder_main
+
+        opts = FolderOptions(
+            conversations=args.conversations or 4,
+            turns=args.turns or 3,
+            seed=args.seed,
+            concurrency=args.concurrency,
+            train_steps=args.train_steps,
+            closer_policy=args.closer_policy,
+        )
+        return folder_main(args.folder, args.only, opts, args.json)
+    args.conversations = args.conversations or 20
+    args.turns = args.turns or 4
 
     loaded = json.loads(args.load.read_text()) if args.load else None
     if loaded is not None:
         args.template, args.seed, args.turns = loaded["template"], loaded["seed"], loaded["turns"]
         args.engine = loaded.get("engine", "hf")
-    model_dir = args.model_dir or (loaded["model_dir"] if loaded else prepare_model(args.template))
+    model_dir = args.model_dir or (loaded["model_dir"] if loaded else prepare_model(args.template, args.train_steps))
     fmt = ChatFormat.load(model_dir)
     closers = PromptBuilder(fmt).shape.history_ends
-    candidates = []
-    the = fmt.encode_content(" the")
-    if len(the) == 1:
-        candidates.append(the[0])
-    eos = fmt.tokenizer.eos_token_id
-    if isinstance(eos, int) and eos not in closers:
-        candidates.append(eos)
+    candidates = stop_candidates(fmt)
     scripts = [Script.make(args.seed, i, args.turns, tuple(candidates)) for i in range(args.conversations)]
 
     start = time.monotonic()
@@ -1091,7 +1169,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         with (
             tempfile.TemporaryDirectory(prefix="tokentrail-exactness-") as tmp,
-            running_arms(model_dir, Path(tmp), args.concurrency, args.engine) as url,
+            running_arms(
+                model_dir, Path(tmp), args.concurrency, args.engine, ["--closer-policy", args.closer_policy]
+            ) as url,
         ):
             convs = asyncio.run(drive(url, scripts, args.concurrency))
     driven = time.monotonic() - start
@@ -1116,6 +1196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "turns": args.turns,
         "seed": args.seed,
         "concurrency": args.concurrency,
+        "closer_policy": args.closer_policy,
         "stop_token_candidates": candidates,
         "closers": sorted(closers),
         "drive_s": round(driven, 1),

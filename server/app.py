@@ -18,7 +18,7 @@ from server.chat_routes import configs_router
 from server.chat_routes import router as chats_router
 from server.db import create_engine, create_session_factory, ping
 from server.deps import StateDep
-from server.queue import WorkerDirectory, WorkQueue
+from server.queue.protocol import WorkerDirectory, WorkQueue
 from server.settings import ServerSettings
 from server.state import AppState
 from server.token_stream import TokenStreams
@@ -73,7 +73,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         if settings.redis_url:
             from redis.asyncio import Redis
 
-            from server.queue_redis import RedisWorkerDirectory, RedisWorkQueue
+            from server.queue.redis import RedisWorkerDirectory, RedisWorkQueue
             from server.token_stream_redis import RedisTokenStreams
 
             redis = Redis.from_url(settings.redis_url, max_connections=settings.redis_pool_size)
@@ -81,7 +81,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             directory = RedisWorkerDirectory(redis)
             streams = RedisTokenStreams(redis, expire_after_s=settings.token_stream_expire_s)
         else:
-            from server.queue_memory import MemoryWorkerDirectory, MemoryWorkQueue
+            from server.queue.memory import MemoryWorkerDirectory, MemoryWorkQueue
             from server.token_stream_memory import MemoryTokenStreams
 
             queue = MemoryWorkQueue(max_queue_size=settings.max_queue_size)

@@ -10,7 +10,7 @@ from sse_starlette import EventSourceResponse
 
 from server.deps import RepoDep, StateDep
 from server.errors import ApiError
-from server.queue import QueueFull
+from server.queue.protocol import QueueFull
 from server.repository import chat_to_list_read, message_to_read
 from server.sse import message_events
 from shared.api import (

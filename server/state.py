@@ -9,7 +9,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from server.auth import TokenSigner
 from server.db import SessionFactory
-from server.queue import WorkerDirectory, WorkQueue
+from server.queue.protocol import WorkerDirectory, WorkQueue
 from server.settings import ServerSettings
 from server.token_stream import TokenStreams
 

@@ -23,7 +23,7 @@ from sqlalchemy import select
 from server.auth import hash_key
 from server.db import SessionFactory
 from server.models import WorkerKey
-from server.queue import WorkerDirectory, WorkerEntry, WorkItem, WorkQueue
+from server.queue.protocol import WorkerDirectory, WorkerEntry, WorkItem, WorkQueue
 from server.settings import ServerSettings
 from server.token_stream import StreamConflict, StreamDone, TokenBatch, TokenStreams
 from server.work_store import WorkStore

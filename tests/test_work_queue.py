@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from redis.asyncio import Redis
 
-from server.queue import QueueFull, WorkerDirectory, WorkerEntry, WorkQueue
-from server.queue_memory import MemoryWorkerDirectory, MemoryWorkQueue
-from server.queue_redis import RedisWorkerDirectory, RedisWorkQueue
+from server.queue.memory import MemoryWorkerDirectory, MemoryWorkQueue
+from server.queue.protocol import QueueFull, WorkerDirectory, WorkerEntry, WorkQueue
+from server.queue.redis import RedisWorkerDirectory, RedisWorkQueue
 
 BACKENDS = ["memory", "redis", "redis-decoded"]
 QueueFactory = Callable[..., WorkQueue]

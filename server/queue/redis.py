@@ -25,7 +25,7 @@ from server.constants import (
     WORK_TICKET,
     WORKER_DIRECTORY,
 )
-from server.queue import QueueFull, WorkerEntry, WorkItem
+from server.queue.protocol import QueueFull, WorkerEntry, WorkItem
 
 # Check size, add, take a ticket: atomic so concurrent servers never overfill the queue.
 _ENQUEUE = """

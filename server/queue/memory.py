@@ -13,7 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from server.queue import QueueFull, WorkerEntry, WorkItem
+from server.queue.protocol import QueueFull, WorkerEntry, WorkItem
 
 
 @dataclass

@@ -21,7 +21,7 @@ from server.deps import StateDep
 from server.queue.protocol import WorkerDirectory, WorkQueue
 from server.settings import ServerSettings
 from server.state import AppState
-from server.token_stream import TokenStreams
+from server.streams.protocol import TokenStreams
 from server.worker_hub import WorkerHub
 from shared.errors import ErrorCode
 
@@ -74,7 +74,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             from redis.asyncio import Redis
 
             from server.queue.redis import RedisWorkerDirectory, RedisWorkQueue
-            from server.token_stream_redis import RedisTokenStreams
+            from server.streams.redis import RedisTokenStreams
 
             redis = Redis.from_url(settings.redis_url, max_connections=settings.redis_pool_size)
             queue = RedisWorkQueue(redis, max_queue_size=settings.max_queue_size)
@@ -82,7 +82,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             streams = RedisTokenStreams(redis, expire_after_s=settings.token_stream_expire_s)
         else:
             from server.queue.memory import MemoryWorkerDirectory, MemoryWorkQueue
-            from server.token_stream_memory import MemoryTokenStreams
+            from server.streams.memory import MemoryTokenStreams
 
             queue = MemoryWorkQueue(max_queue_size=settings.max_queue_size)
             directory = MemoryWorkerDirectory()

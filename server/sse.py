@@ -18,7 +18,7 @@ from sse_starlette import ServerSentEvent
 from server.models import Message, MessageTokens
 from server.repository import message_to_read
 from server.state import AppState
-from server.token_stream import StreamDone, StreamReset, TokenBatch
+from server.streams.protocol import StreamDone, StreamReset, TokenBatch
 from shared.api import FINISHED_STATES, MessageState
 from shared.events import ErrorEvent, MessageEvent, PendingEvent, ResetEvent, TokenEvent
 from shared.packing import unpack_floats, unpack_ids

@@ -11,7 +11,7 @@ from server.auth import TokenSigner
 from server.db import SessionFactory
 from server.queue.protocol import WorkerDirectory, WorkQueue
 from server.settings import ServerSettings
-from server.token_stream import TokenStreams
+from server.streams.protocol import TokenStreams
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis

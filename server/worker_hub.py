@@ -25,7 +25,7 @@ from server.db import SessionFactory
 from server.models import WorkerKey
 from server.queue.protocol import WorkerDirectory, WorkerEntry, WorkItem, WorkQueue
 from server.settings import ServerSettings
-from server.token_stream import StreamConflict, StreamDone, TokenBatch, TokenStreams
+from server.streams.protocol import StreamConflict, StreamDone, TokenBatch, TokenStreams
 from server.work_store import WorkStore
 from shared.errors import ErrorCode
 from shared.protocol import (

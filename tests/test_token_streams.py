@@ -12,9 +12,9 @@ import pytest
 from redis.asyncio import Redis
 
 from server.constants import TOKEN_STREAM
-from server.token_stream import StreamConflict, StreamDone, StreamEntry, TokenBatch, TokenStreams
-from server.token_stream_memory import MemoryTokenStreams
-from server.token_stream_redis import RedisTokenStreams
+from server.streams.memory import MemoryTokenStreams
+from server.streams.protocol import StreamConflict, StreamDone, StreamEntry, TokenBatch, TokenStreams
+from server.streams.redis import RedisTokenStreams
 
 StreamsFactory = Callable[..., TokenStreams]
 

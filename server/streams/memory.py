@@ -13,7 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from server.token_stream import StreamConflict, StreamDone, StreamEntry, TokenBatch
+from server.streams.protocol import StreamConflict, StreamDone, StreamEntry, TokenBatch
 
 
 @dataclass

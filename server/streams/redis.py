@@ -20,7 +20,7 @@ from redis.typing import EncodableT
 
 from server.constants import TOKEN_STREAM
 from server.queue.redis import max_block_s, stream_entries, text
-from server.token_stream import StreamConflict, StreamDone, StreamEntry, TokenBatch
+from server.streams.protocol import StreamConflict, StreamDone, StreamEntry, TokenBatch
 
 # ARGV: start, end, ttl ms, field/value pairs. Returns {1, end} or {0, length} (-1: finished).
 _APPEND = """

@@ -14,8 +14,8 @@ float32 negative logprobs with a rare -inf), regenerations (~10% of chats get a 
 on the last turn: one more leaf), votes on ~25% of assistant messages and ~2% opted-out chats.
 
 The database is filled in three steps (N/4, N/2, N chats) and after each step every format is exported
-through the real path (``server.export_run.run_export``: ``iter_rollouts`` -> ``adapt(.., "tokentrail")``
--> the writers of ``server/export_writers.py``), ``--repeat`` times, each in a fresh subprocess that reports
+through the real path (``server.export.run.run_export``: ``iter_rollouts`` -> ``adapt(.., "tokentrail")``
+-> the writers of ``server/export/writers.py``), ``--repeat`` times, each in a fresh subprocess that reports
 wall and CPU time and its peak RSS (``VmHWM``, reset to the current RSS just before the export, so the
 growth is the export's own). The table gives the fastest run (and the median: other work on a shared
 machine makes wall times noisy) and the largest peak. Flat peak memory across N/4, N/2 and N shows
@@ -347,7 +347,7 @@ def child(spec: dict[str, Any]) -> None:
     """Run one export and print a JSON line: seconds, rollouts, RSS before, peak RSS."""
     import pyarrow.parquet  # noqa: F401  (imported before the baseline: a library, not export memory)
 
-    from server.export_run import run_export
+    from server.export.run import run_export
     from server.settings import ServerSettings
 
     settings = ServerSettings(database_url=spec["url"], migrate_on_start=False, data_dir=Path(spec["out"]).parent)

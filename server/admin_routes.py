@@ -12,7 +12,7 @@ from fastapi.responses import StreamingResponse
 
 from server.deps import AdminUser, StateDep
 from server.errors import ApiError
-from server.export import ExportFilters, iter_rollouts
+from server.export.rollouts import ExportFilters, iter_rollouts
 from shared.errors import ErrorCode
 
 router = APIRouter(prefix="/admin", tags=["admin"])

@@ -149,7 +149,7 @@ def export(
     quiet: Annotated[bool, typer.Option(help="No progress output.")] = False,
 ) -> None:
     """Export stored conversations as RL training rollouts (chats that opted out are never exported)."""
-    from server.export_run import run_export
+    from server.export.run import run_export
 
     if fmt not in ("jsonl", "parquet"):
         raise typer.BadParameter("--format must be jsonl or parquet")

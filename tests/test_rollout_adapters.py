@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.export import build_samples
+from server.export.rollouts import build_samples
 from shared.rollout import Rollout
 from shared.rollout_adapters import SCHEMAS, adapt, to_native_samples
 from shared.stitching import extends
@@ -40,7 +40,7 @@ class T:
 
 
 def native(turns: list[T], reward: float | None = 1.0) -> dict[str, Any]:
-    """A native rollout dict as server/export.py's ``_rollout`` builds it."""
+    """A native rollout dict as server/export/rollouts.py's ``_rollout`` builds it."""
     rows: list[dict[str, Any]] = []
     seqs: list[tuple[list[int], list[int]]] = []
     prev: list[int] = []

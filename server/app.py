@@ -11,13 +11,13 @@ from fastapi import APIRouter, FastAPI, WebSocket
 from fastapi.responses import JSONResponse
 
 from server import migrate
-from server.admin_routes import router as admin_router
+from server.api.admin import router as admin_router
+from server.api.auth import router as auth_router
+from server.api.chats import configs_router
+from server.api.chats import router as chats_router
+from server.api.deps import StateDep
 from server.auth import TokenSigner
-from server.auth_routes import router as auth_router
-from server.chat_routes import configs_router
-from server.chat_routes import router as chats_router
 from server.db import create_engine, create_session_factory, ping
-from server.deps import StateDep
 from server.queue.protocol import WorkerDirectory, WorkQueue
 from server.settings import ServerSettings
 from server.state import AppState

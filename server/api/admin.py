@@ -10,7 +10,7 @@ import orjson
 from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
 
-from server.deps import AdminUser, StateDep
+from server.api.deps import AdminUser, StateDep
 from server.errors import ApiError
 from server.export.rollouts import ExportFilters, iter_rollouts
 from shared.errors import ErrorCode

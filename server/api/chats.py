@@ -8,11 +8,11 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, Request, Response
 from sse_starlette import EventSourceResponse
 
-from server.deps import RepoDep, StateDep
+from server.api.deps import RepoDep, StateDep
+from server.api.sse import message_events
 from server.errors import ApiError
 from server.queue.protocol import QueueFull
 from server.repository import chat_to_list_read, message_to_read
-from server.sse import message_events
 from shared.api import (
     MAX_CONTENT_CHARS,
     ChatListRead,

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import RedirectResponse
 from sqlalchemy.exc import IntegrityError
 
-from server.deps import CurrentUser, SessionDep, StateDep, bearer_token
+from server.api.deps import CurrentUser, SessionDep, StateDep, bearer_token
 from server.errors import ApiError
 from server.models import User
 from shared.api import Token, TokenPair

@@ -765,9 +765,23 @@ _MASK = "\ue000ref{}\ue001"
 _MASK_RE = re.compile("\ue000ref(\\d+)\ue001")
 
 
+@dataclass(frozen=True)
+class Reference:
+    """A reference render: token ids, and for each masked text the (message index, start, end) of its
+    tokens."""
+
+    ids: list[int]
+    spans: list[tuple[int, int, int]]
+
+    def text_end(self, message: int) -> int | None:
+        """Where the last text of message ``message`` ends in ``ids`` (None: it rendered no text)."""
+        ends = [end for m, _, end in self.spans if m == message]
+        return max(ends) if ends else None
+
+
 def reference_render(
     fmt: ChatFormat, messages: Sequence[WorkMessage], tools: list[dict[str, Any]] | None, gen: bool
-) -> list[int] | None:
+) -> Reference | None:
     """The template's render of ``messages`` as token ids, message text encoded safely; None if the
     template rewrites message text so that it cannot be isolated.
 
@@ -777,30 +791,36 @@ def reference_render(
     once the sentinels are put back. Template text is tokenized with control tokens recognised
     (``encode_template_text``), message text with them split (``encode_content``).
     """
-    texts: list[str] = []
+    texts: list[tuple[int, str]] = []
 
-    def mask(value: str | None) -> str | None:
+    def mask(index: int, value: str | None) -> str | None:
         if not value:
             return value
-        texts.append(value)
+        texts.append((index, value))
         return _MASK.format(len(texts) - 1)
 
-    masked = [template_message(m, mask(m.content) or "", mask(m.reasoning_content)) for m in messages]
+    masked = [
+        template_message(m, mask(i, m.content) or "", mask(i, m.reasoning_content)) for i, m in enumerate(messages)
+    ]
     real = [template_message(m, m.content, m.reasoning_content) for m in messages]
     try:
         rendered = fmt.render_text(masked, add_generation_prompt=gen, tools=tools)
         reference = fmt.render_text(real, add_generation_prompt=gen, tools=tools)
     except Exception:  # a template may raise on what it does not support
         return None
-    if _MASK_RE.sub(lambda m: texts[int(m.group(1))], rendered) != reference:
+    if _MASK_RE.sub(lambda m: texts[int(m.group(1))][1], rendered) != reference:
         return None
     ids: list[int] = []
+    spans: list[tuple[int, int, int]] = []
     pos = 0
     for match in _MASK_RE.finditer(rendered):
         ids += fmt.encode_template_text(rendered[pos : match.start()])
-        ids += fmt.encode_content(texts[int(match.group(1))])
+        index, text = texts[int(match.group(1))]
+        begin = len(ids)
+        ids += fmt.encode_content(text)
+        spans.append((index, begin, len(ids)))
         pos = match.end()
-    return ids + fmt.encode_template_text(rendered[pos:])
+    return Reference(ids + fmt.encode_template_text(rendered[pos:]), spans)
 
 
 def cached_tokens(turn: Turn) -> int | None:
@@ -825,11 +845,15 @@ class Evaluator:
         # where history has <|end|>): counting turns in such a render needs both kinds of ends
         self.turn_ends = self.closers | frozenset(c.generation[-1] for c in (shape.plain, shape.tool) if c.generation)
         self.specials = frozenset(int(i) for i in fmt.tokenizer.all_special_ids)
-        self._cache: dict[tuple[int, int, bool], list[int] | None] = {}
+        self._cache: dict[tuple[int, int, bool], Reference | None] = {}
 
     def render(self, conv: Conversation, upto: int, gen: bool) -> list[int] | None:
         """Token ids of the template's render of ``conv.messages[:upto]`` (text encoded safely), or None
         if the template cannot render them safely (it rewrites text holding control-token strings)."""
+        ref = self.reference(conv, upto, gen)
+        return None if ref is None else ref.ids
+
+    def reference(self, conv: Conversation, upto: int, gen: bool) -> Reference | None:
         key = (id(conv), upto, gen)
         if key not in self._cache:
             self._cache[key] = reference_render(self.fmt, conv.messages[:upto], conv.script.tools, gen)
@@ -961,11 +985,13 @@ class Evaluator:
             if t.stored.get("fork") or prior is None:
                 continue
             stitched += 1
-            full = self.render(conv, t.at, True)
+            full = self.reference(conv, t.at, True)
             history = self.render(conv, prior.at + 1, False)
+            before = self.render(conv, prior.at, True)
             expected = None
             if full is not None and history is not None:
-                expected = expected_stitch_suffix(full, history, self.turn_ends, self.specials)
+                anchor = full.text_end(prior.at)
+                expected = expected_stitch_suffix(full.ids, history, self.turn_ends, self.specials, before, anchor)
             reused = int(t.stored.get("reused_prefix_len") or 0)
             synthetic = int(t.stored.get("synthetic_token_count") or 0)
             if expected is None or bridge_mismatch(t.prompt, reused, synthetic, expected[1]):

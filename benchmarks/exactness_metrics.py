@@ -119,10 +119,24 @@ def turn_closed(
     return finish_reason == "length"
 
 
-def _closer_index(full: Ids, history: Ids, closers: frozenset[int]) -> int | None:
-    """Index in ``full`` of the closer of the history's last turn: its n-th closer, where n is the
-    number of closers in ``history`` (both renders share the history; message text never holds a
-    closer id because it is encoded with special tokens split)."""
+def _closer_index(
+    full: Ids, prompt: Ids | None, history: Ids, closers: frozenset[int], anchor: int | None = None
+) -> int | None:
+    """Index in ``full`` of the closer of the prior assistant turn.
+
+    Message text never holds a closer id (it is encoded with special tokens split), so the closer is
+    the first closer id after a point known to lie inside the turn:
+    - where ``full`` extends ``prompt`` (the render of the messages before that turn with the
+      generation prompt), the turn's start ``len(prompt)``;
+    - else ``anchor``, the end of the turn's own text in ``full`` (a template that writes text into its
+      generation prompt but not into history, as Apriel's "Here are my reasoning steps:");
+    - else the n-th closer, n the number of closers in ``history`` (the render up to and including the
+      turn): that needs ``history`` to close its last turn, which not every template does (Apertus
+      leaves it open for continuation)."""
+    start = len(prompt) if prompt is not None and extends(prompt, full) else anchor
+    if start is not None:
+        end = turn_end(full, start, closers)
+        return end - 1 if full[end - 1 : end] and full[end - 1] in closers else None
     n = sum(1 for t in history if t in closers)
     if n == 0:
         return None
@@ -136,20 +150,28 @@ def _closer_index(full: Ids, history: Ids, closers: frozenset[int]) -> int | Non
 
 
 def expected_stitch_suffix(
-    full: Ids, history: Ids, closers: frozenset[int], specials: frozenset[int]
+    full: Ids,
+    history: Ids,
+    closers: frozenset[int],
+    specials: frozenset[int],
+    prompt: Ids | None = None,
+    anchor: int | None = None,
 ) -> tuple[list[int], list[int]] | None:
     """The template's own (closer, bridge) after the prior assistant turn, or None if not found.
 
     ``full`` renders history + new messages with the generation prompt, ``history`` the messages up to
-    and including the prior assistant turn without it. The closer is the run of special tokens ending
-    at that turn's closer id; the bridge is everything after it (separator, new messages, generation
-    prompt).
+    and including the prior assistant turn without it, ``prompt`` (optional) the messages before that
+    turn with it, ``anchor`` (optional) the end of that turn's text in ``full``. The closer is the run of
+    special tokens ending at that turn's closer id; the bridge is everything after it (separator, new
+    messages, generation prompt).
     """
-    at = _closer_index(full, history, closers)
+    at = _closer_index(full, prompt, history, closers, anchor)
     if at is None:
         return None
+    # the run never reaches back past the turn's start (an empty turn: opener and closer adjacent)
+    floor = len(prompt) if prompt is not None and extends(prompt, full) else 0
     begin = at
-    while begin > 0 and full[begin - 1] in specials:
+    while begin > floor and full[begin - 1] in specials:
         begin -= 1
     return list(full[begin : at + 1]), list(full[at + 1 :])
 

@@ -196,8 +196,7 @@ def main(folder: str, only: str | None, opts: FolderOptions, as_json: bool) -> i
             _say(f"[{i}/{len(templates)}] {template.name}")
             rows.append(template_row(i, template, url, key, Path(tmp), opts))
             r = rows[-1]
-            _say(f"[{i}/{len(templates)}] {template.name}: " + (r.get("error") or f"{'pass' if passed(r) else 'FAIL'}"
-                 f", {r['served']} served, {r['wall_s']:.0f} s"))  # fmt: skip
+            _say(f"[{i}/{len(templates)}] {template.name}: {json.dumps(_finite(r))}")
     config = {**opts.__dict__, "folder": folder, "only": only, "wall_s": round(time.monotonic() - start, 1)}
     if as_json:
         print(json.dumps(_finite({"config": config, "rows": rows}), indent=1))

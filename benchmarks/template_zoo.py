@@ -398,15 +398,18 @@ LAYOUTS: dict[str, TokenLayout] = {
 # Marker shapes that real tokenizers register as single tokens.
 _SPECIAL_SHAPES = re.compile(
     r"<\|[A-Za-z0-9_.:/\- ]{1,40}\|>|<｜[^｜<>\n]{1,40}｜>|\[/?[A-Z][A-Z_]{1,30}\]|<(?:start|end)_of_[a-z_]{1,20}>"
-    r"|<\|?[A-Za-z_]{1,20}\|?>(?=\{)|<(?:bos|eos|BOS_TOKEN|EOS_TOKEN)>"
+    r"|<\|?[A-Za-z_]{1,20}\|?>(?=\{)|<(?:bos|eos|BOS_TOKEN|EOS_TOKEN)>|<[a-z]{1,12}:(?:bos|eos|pad)>"
 )
 _ADDED_SHAPES = re.compile(r"</?(?:think|tool_call|tool_response|tool_calls|tools|response|answer|seed:think)>")
 _EOS_GUESSES = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|END_OF_TURN_TOKEN|>", "<|end|>", "</s>")
 
 
 def _literals(template: str) -> str:
-    """The string literals of a Jinja template (where its markers live), joined."""
-    return "\n".join(m.group(2) for m in re.finditer(r"(['\"])((?:\\.|(?!\1).)*)\1", template))
+    """Where a Jinja template's markers live, joined: its string literals and its raw text (outside
+    ``{% %}``, ``{{ }}`` and ``{# #}``; Cohere2's turn tokens are written there)."""
+    literals = (m.group(2) for m in re.finditer(r"(['\"])((?:\\.|(?!\1).)*)\1", template))
+    raw = re.sub(r"\{([%{#]).*?[%}#]\}", "\n", template, flags=re.DOTALL)
+    return "\n".join([*literals, raw])
 
 
 def derived_layout(template: str) -> TokenLayout:
@@ -414,7 +417,8 @@ def derived_layout(template: str) -> TokenLayout:
     text = _literals(template)
     specials = list(dict.fromkeys(m.group(0) for m in _SPECIAL_SHAPES.finditer(text)))
     added = [t for t in dict.fromkeys(m.group(0) for m in _ADDED_SHAPES.finditer(text)) if t not in specials]
-    eos = next((t for t in _EOS_GUESSES if t in specials), "</s>")
+    eos = next((t for t in _EOS_GUESSES if t in specials), None)
+    eos = eos or next((t for t in specials if t.endswith(":eos>")), "</s>")
     for token in ("<s>", "</s>", "<pad>", eos):
         if token not in specials:
             specials.append(token)

@@ -118,6 +118,26 @@ def test_expected_stitch_suffix_cuts_after_the_prior_closer() -> None:
     assert expected_stitch_suffix(full, [1, 2], CLOSERS, SPECIALS) is None
 
 
+def test_expected_stitch_suffix_when_history_leaves_the_turn_open() -> None:
+    """A template that renders a final assistant message without its closer (left open for
+    continuation): the closer is found from the turn's prompt, not by counting closers in history."""
+    _, full, reused, bridge = _stitched_case()
+    prompt = reused[:5]  # user turn + generation prompt
+    open_history = reused  # the assistant turn, not closed
+    # counting closers in history finds the user turn's closer: the wrong cut
+    assert expected_stitch_suffix(full, open_history, CLOSERS, SPECIALS) != ([CLOSE], bridge)
+    assert expected_stitch_suffix(full, open_history, CLOSERS, SPECIALS, prompt) == ([CLOSE], bridge)
+    assert expected_stitch_suffix(full, [1, 2], CLOSERS, SPECIALS, [7]) is None  # no extension, nothing to count
+    # a generation prompt with text that history does not render (Apriel's "Here are my reasoning
+    # steps:"): the prompt does not extend into full; the end of the turn's text anchors the search
+    apriel_prompt = [*prompt, 77]
+    assert expected_stitch_suffix(full, open_history, CLOSERS, SPECIALS, apriel_prompt, anchor=7) == ([CLOSE], bridge)
+    # an empty turn: its opener (a special token) is part of the prompt, not of the closer
+    prompt = [START, 1, CLOSE, 10, START]
+    empty = [*prompt, CLOSE, *bridge]
+    assert expected_stitch_suffix(empty, prompt, CLOSERS, SPECIALS, prompt) == ([CLOSE], bridge)
+
+
 def test_bridge_and_closer_fidelity() -> None:
     history, full, reused, bridge = _stitched_case()
     closer, expected = expected_stitch_suffix(full, history, CLOSERS, SPECIALS) or ([], [])

@@ -424,13 +424,41 @@ def _plain(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+def _render(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, documents: bool = False
+) -> list[int]:
     # sanitize_control_tokens: control-token look-alikes in message text are tokenized as text, as the
     # service does for user content; only the template's own control tokens become control ids.
+    extra: dict[str, Any] = {"documents": []} if documents else {}
     ids = tokenizer.apply_chat_template(
-        messages, tools=tools, tokenize=True, return_dict=False, sanitize_control_tokens=True
+        messages, tools=tools, tokenize=True, return_dict=False, sanitize_control_tokens=True, **extra
     )
     return [int(i) for i in ids]
+
+
+def _flat(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Tool schemas without the OpenAI ``function`` wrapper (what Command-R+'s template reads)."""
+    return None if tools is None else [t.get("function", t) for t in tools]
+
+
+def _render_any(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+    """The first render the template accepts: as given, flat tool schemas, then text turns only, with
+    empty ``tools``/``documents`` lists for templates that loop over them unguarded."""
+    Schemas = list[dict[str, Any]] | None
+    attempts: tuple[tuple[list[dict[str, Any]], Schemas, bool], ...] = (
+        (messages, tools, False),
+        (messages, _flat(tools), True),
+        (_plain(messages), None, False),
+        (_plain(messages), [], True),
+    )
+    first: Exception | None = None
+    for msgs, schemas, documents in attempts:
+        try:
+            return _render(tokenizer, msgs, schemas, documents)
+        except Exception as exc:  # a user's template may reject tools, system or tool turns: simplify
+            first = first or exc
+    assert first is not None
+    raise first
 
 
 def _sequences(tokenizer: Any, rng: random.Random) -> Iterator[list[int]]:
@@ -440,12 +468,9 @@ def _sequences(tokenizer: Any, rng: random.Random) -> Iterator[list[int]]:
     for attempt in itertools.count(1):
         messages, tools = synthetic_conversation(rng)
         try:
-            ids = _render(tokenizer, messages, tools)
-        except Exception as exc:  # a user's template may reject tools, system or tool turns: simplify
-            try:
-                ids = _render(tokenizer, _plain(messages), None)
-            except Exception:
-                error, ids = exc, []
+            ids = _render_any(tokenizer, messages, tools)
+        except Exception as exc:
+            error, ids = exc, []
         if len(ids) >= 2:
             usable += 1
             yield ids[:_MAX_LEN]

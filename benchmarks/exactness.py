@@ -131,7 +131,7 @@ from benchmarks.exactness_metrics import (
 from shared.protocol import WorkMessage
 from shared.stitching import extends, merge_turns
 from worker.chat_format import ChatFormat, template_message
-from worker.engine import GenerationParams
+from worker.engines.contract import GenerationParams
 from worker.prompt_builder import PromptBuilder
 
 ARMS = ("stitch", "naive")

@@ -25,7 +25,7 @@ from typing import Any
 from shared.protocol import PriorChain, WorkFrame, WorkMessage
 from shared.stitching import extends
 from worker.chat_format import ChatFormat, RenderError
-from worker.engine import EngineError
+from worker.engines.contract import EngineError
 from worker.prompt_builder import CloserPolicy, PromptBuilder
 
 TOOLS = [

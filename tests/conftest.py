@@ -62,7 +62,7 @@ def embedded_stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Pat
     from server.settings import ServerSettings
     from tests.stack import MODEL, ServerThread, WorkerThread, free_port, worker_key
     from worker.chat_format import ChatFormat
-    from worker.hf_engine import HFEngine
+    from worker.engines.hf import HFEngine
 
     settings = ServerSettings(data_dir=tmp_path_factory.mktemp("data"), port=free_port())
     _SETTINGS["embedded"] = settings

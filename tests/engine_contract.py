@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker.engine import EngineError, GenerationParams, TokenStep
+from worker.engines.contract import EngineError, GenerationParams, TokenStep
 
 PROMPT = [5, 17, 42, 99, 7, 300, 11, 64, 128, 9]
 TOLERANCE = {"hf": 1e-4, "vllm": 1e-4}  # reached on CPU fp32: ~1e-6 for both
@@ -201,10 +201,10 @@ CHECKS: list[str] = [
 
 def make_engine(name: str, model: str) -> object:
     if name == "hf":
-        from worker.hf_engine import HFEngine
+        from worker.engines.hf import HFEngine
 
         return HFEngine(model, dtype="float32")
-    from worker.vllm_engine import VLLMEngine
+    from worker.engines.vllm import VLLMEngine
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return VLLMEngine(model, dtype="float32", max_model_len=1024, gpu_memory_utilization=0.2)

@@ -24,7 +24,7 @@ from server.app import create_app
 from server.settings import ServerSettings
 from worker.chat_format import ChatFormat
 from worker.client import WorkerClient, WorkerOptions
-from worker.engine import Engine
+from worker.engines.contract import Engine
 
 MODEL = "tiny"
 

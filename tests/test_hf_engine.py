@@ -18,8 +18,8 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
-from worker.engine import EngineError, GenerationParams, TokenStep
-from worker.hf_engine import HFEngine
+from worker.engines.contract import EngineError, GenerationParams, TokenStep
+from worker.engines.hf import HFEngine
 from worker.sampling import gather_logprobs, presence_mask, process_logits, teacher_forced_logprobs
 
 VOCAB = 512

@@ -20,7 +20,7 @@ from benchmarks.template_zoo import FAMILIES, ZooTemplate, family, load_zoo, zoo
 from shared.protocol import PriorChain, WorkFrame, WorkMessage
 from shared.stitching import extends
 from worker.chat_format import ChatFormat
-from worker.engine import EngineError
+from worker.engines.contract import EngineError
 from worker.prompt_builder import PromptBuilder
 
 # Templates that transformers' sandboxed Jinja itself cannot render (list.append, a generator passed
@@ -163,7 +163,7 @@ def test_template_rejected_reaches_the_api_and_sse(embedded_stack: str, embedded
     fails with template_rejected and the template's words; the chat's other messages are untouched."""
     from tests.stack import WorkerThread, worker_key
     from tests.test_e2e_embedded import events, login
-    from worker.hf_engine import HFEngine
+    from worker.engines.hf import HFEngine
 
     model_dir = zoo_model(family("gemma2"))
     worker = WorkerThread(

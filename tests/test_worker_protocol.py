@@ -22,8 +22,8 @@ from tests.test_e2e_embedded import events, login, turn
 from tokentrail.cli import app
 from worker.chat_format import ChatFormat
 from worker.client import FatalWorkerError, WorkerClient, WorkerOptions, websocket_url
-from worker.engine import EngineInfo, GenerationParams, TokenStep
-from worker.hf_engine import HFEngine
+from worker.engines.contract import EngineInfo, GenerationParams, TokenStep
+from worker.engines.hf import HFEngine
 
 
 def hello(version: int = PROTOCOL_VERSION) -> str:

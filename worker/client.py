@@ -37,7 +37,7 @@ from shared.protocol import (
 )
 from worker.chat_format import ChatFormat, RenderError
 from worker.detokenizer import IncrementalDetokenizer
-from worker.engine import Engine, EngineError, GenerationParams
+from worker.engines.contract import Engine, EngineError, GenerationParams
 from worker.output_parser import OutputParser
 from worker.prompt_builder import CloserPolicy, PromptBuilder, PromptMode, template_error
 

@@ -36,7 +36,7 @@ from shared.errors import ErrorCode
 from shared.protocol import WorkFrame, WorkMessage
 from shared.stitching import stitch, turn_end
 from worker.chat_format import ChatFormat, Rendered, RenderError, TemplateRejected
-from worker.engine import EngineError
+from worker.engines.contract import EngineError
 from worker.template_shape import TemplateShape, payload_end, probe_assistant, probe_template
 
 PromptMode = Literal["stitch", "naive"]

@@ -9,7 +9,7 @@ from typing import Any
 
 from worker.chat_format import ChatFormat
 from worker.client import WorkerClient, WorkerOptions
-from worker.engine import Engine
+from worker.engines.contract import Engine
 from worker.prompt_builder import CloserPolicy, PromptMode
 
 log = logging.getLogger(__name__)
@@ -26,11 +26,11 @@ def make_engine(
     name: str, model_path: str, *, device: str, dtype: str, max_parallel: int, vllm: VLLMOptions | None = None
 ) -> Engine:
     if name == "hf":
-        from worker.hf_engine import HFEngine
+        from worker.engines.hf import HFEngine
 
         return HFEngine(model_path, device=device, dtype=dtype, max_batch_size=max_parallel)
     if name == "vllm":
-        from worker.vllm_engine import VLLMEngine
+        from worker.engines.vllm import VLLMEngine
 
         opts = vllm or VLLMOptions()
         return VLLMEngine(

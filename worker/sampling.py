@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from worker.engine import GenerationParams
+from worker.engines.contract import GenerationParams
 
 __all__ = [
     "gather_logprobs",

@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from worker.engine import GenerationParams
+from worker.engines.contract import GenerationParams
 
 TOLERANCE = 1e-4
 

@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
-from worker.engine import EngineError, EngineInfo, GenerationParams, TokenStep
+from worker.engines.contract import EngineError, EngineInfo, GenerationParams, TokenStep
 from worker.sampling import param_error
 
 __all__ = ["VLLMEngine"]

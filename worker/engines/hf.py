@@ -38,7 +38,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.utils import logging as hf_logging
 
 from shared.errors import ErrorCode
-from worker.engine import EngineError, EngineInfo, GenerationParams, TokenStep
+from worker.engines.contract import EngineError, EngineInfo, GenerationParams, TokenStep
 from worker.sampling import is_greedy, param_error, presence_mask, process_logits, top_logprobs
 
 __all__ = ["HFEngine", "HFEngineStats"]

@@ -1,0 +1,2 @@
+"""Inference engines behind one contract (``contract``): transformers (``hf``) and vLLM (``vllm``,
+imported only when chosen)."""

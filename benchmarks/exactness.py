@@ -1,7 +1,13 @@
 """Token exactness of stored conversations: stitched prompts vs. naive re-templating, end to end.
 
-    python benchmarks/exactness.py [--conversations 20] [--turns 4] [--template chatml|llama3|FILE.jinja]
-                                   [--seed 0] [--concurrency 8] [--engine hf|vllm] [--json]
+    python benchmarks/exactness.py [--conversations 20] [--turns 4] [--template chatml|llama3|FAMILY|FILE.jinja]
+                                   [--seed 0] [--concurrency 8] [--engine hf|vllm] [--closer-policy keep|history]
+                                   [--json]
+    python benchmarks/exactness.py --folder all|llama.cpp|vllm|DIR [--only a,b] [--train-steps 100] [--json]
+
+``--folder`` runs the stitch arm on every template of a folder, one row each (``benchmarks/exactness_zoo``);
+``--template FAMILY`` one real template of ``benchmarks/template_zoo.FAMILIES`` (e.g. ``gpt-oss``) with its
+model's tokens, on a tiny model trained ``--train-steps`` steps (cached).
 
 Starts one server (embedded SQLite, in-process queue) and two workers on the same tiny model as child
 processes: one with ``--prompt-mode stitch`` served as ``stitch``, one with ``--prompt-mode naive`` (the

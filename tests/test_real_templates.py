@@ -91,6 +91,22 @@ def test_templates_that_loop_over_tools_render_without_tools(name: str) -> None:
     assert PromptBuilder(fmt).build(_frame([WorkMessage(id="u", role="user", content="hi")])).prompt_ids
 
 
+def test_tool_schemas_without_descriptions_render_on_templates_that_read_them() -> None:
+    """Command-R+ reads every parameter's description; schemas without them (valid OpenAI tools) get an
+    empty description instead of failing the turn."""
+    fmt = fmt_of("command-r-plus-tool-use")
+    bare = [{"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}}]  # fmt: skip
+    frame = _frame([WorkMessage(id="u", role="user", content="time in Oslo?")])
+    frame.tools = bare
+    built = PromptBuilder(fmt).build(frame)
+    assert "get_time" in fmt.tokenizer.decode(built.prompt_ids)
+    with pytest.raises(Exception, match="description"):  # what the template alone does with them
+        fmt.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}], tools=[bare[0]["function"]], documents=[], tokenize=False
+        )
+
+
 def test_trailing_eos_is_not_the_closer() -> None:
     fmt = fmt_of("phi3.5")  # renders <|end|>\n<|endoftext|> at the end of a finished conversation
     builder = PromptBuilder(fmt)

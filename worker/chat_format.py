@@ -293,16 +293,24 @@ class ChatFormat:
         """The template's text. Where a template fails (not rejects) on the OpenAI shapes of tools
         (``{"type": "function", "function": {...}}``) or tool-call arguments (objects), the other
         common shapes are tried: flat tool schemas (Command-R+), arguments as JSON strings
-        (functionary v3.2)."""
+        (functionary v3.2), and schemas with an empty ``description`` where the tool or a parameter
+        has none (Command-R+ reads every parameter's description)."""
         first: RenderError | None = None
-        for flat_tools, string_args in ((False, False), (False, True), (True, False), (True, True)):
+        described = _described(tools) if tools else None
+        shapes = [
+            (f, a, d) for d in (False, True) for f, a in ((False, False), (False, True), (True, False), (True, True))
+        ]
+        for flat_tools, string_args, fill in shapes:
             if (flat_tools and not tools) or (string_args and not _has_calls(messages)):
                 continue
+            if fill and (not tools or described == tools):
+                continue
+            schemas = described if fill else tools
             try:
                 return self._render_once(
                     _string_args(messages) if string_args else messages,
                     add_generation_prompt=add_generation_prompt,
-                    tools=[t.get("function", t) for t in tools or []] if flat_tools else tools,
+                    tools=[t.get("function", t) for t in schemas or []] if flat_tools else schemas,
                     empty_lists=empty_lists,
                 )
             except TemplateRejected:
@@ -413,6 +421,24 @@ class ChatFormat:
 
 def _has_calls(messages: list[dict[str, Any]]) -> bool:
     return any(m.get("tool_calls") for m in messages)
+
+
+def _described(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tool schemas with ``description: ""`` added where a function or one of its parameters lacks one."""
+    out = []
+    for tool in tools:
+        fn = tool.get("function", tool)
+        if not isinstance(fn, dict):
+            out.append(tool)
+            continue
+        fn = {"description": "", **fn}
+        params = fn.get("parameters")
+        props = params.get("properties") if isinstance(params, dict) else None
+        if isinstance(params, dict) and isinstance(props, dict):
+            props = {k: {"description": "", **v} if isinstance(v, dict) else v for k, v in props.items()}
+            fn["parameters"] = {**params, "properties": props}
+        out.append({**tool, "function": fn} if "function" in tool else fn)
+    return out
 
 
 def _string_args(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -129,9 +129,8 @@ _QWEN3 = TokenLayout(
     bos=None,
     stop=("<|im_end|>", "<|endoftext|>"),
 )
-_LLAMA3_SPECIALS = LLAMA3_SPECIALS
 _LLAMA31 = TokenLayout(
-    specials=_LLAMA3_SPECIALS,
+    specials=LLAMA3_SPECIALS,
     added=(),
     eos="<|eot_id|>",
     pad="<|finetune_right_pad_id|>",
@@ -139,7 +138,7 @@ _LLAMA31 = TokenLayout(
     stop=("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"),
 )
 _HERMES3 = TokenLayout(
-    specials=(*_LLAMA3_SPECIALS, "<|im_start|>", "<|im_end|>"),
+    specials=(*LLAMA3_SPECIALS, "<|im_start|>", "<|im_end|>"),
     added=("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"),
     eos="<|im_end|>",
     pad="<|finetune_right_pad_id|>",

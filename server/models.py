@@ -123,6 +123,8 @@ class Message(Base):
     finish_reason: Mapped[str | None] = mapped_column(String(16), default=None)
     prompt_token_count: Mapped[int | None] = mapped_column(Integer, default=None)
     completion_token_count: Mapped[int | None] = mapped_column(Integer, default=None)
+    # OpenAI API conversations: hash of the normalized path root..this message (shared/chain.py)
+    chain_hash: Mapped[str | None] = mapped_column(String(64), default=None, index=True)
 
 
 class MessageTokens(Base):
@@ -148,4 +150,5 @@ class MessageTokens(Base):
     num_cached_tokens: Mapped[int | None] = mapped_column(Integer, default=None)
     prompt_method: Mapped[str | None] = mapped_column(String(32), default=None)
     resumed_at: Mapped[bytes] = mapped_column(LargeBinary, default=b"")
+    prompt_check: Mapped[str | None] = mapped_column(String(32), default=None)  # GenerationRecord.prompt_check
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -8,15 +8,19 @@ from __future__ import annotations
 
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import aliased
 
 from server.db import SessionFactory
 from server.models import Message, MessageTokens, utcnow
 from server.repository import decode_stop_reason, encode_stop_reason
 from shared.api import FINISHED_STATES, MessageState, WorkParameters
+from shared.chain import chain_hash, normalized
 from shared.errors import ErrorCode
 from shared.packing import pack_floats, pack_ids, unpack_ids
 from shared.protocol import GenerationRecord, PriorChain, WorkMessage
 
+Parent = aliased(Message)
 _OPEN_STATES = (MessageState.pending.value, MessageState.in_progress.value)
 
 
@@ -142,6 +146,17 @@ class WorkStore:
             await s.commit()
             return bool(res.rowcount)  # type: ignore[attr-defined]
 
+    @staticmethod
+    async def _index(s: AsyncSession, message_id: str, record: GenerationRecord) -> None:
+        """Put the finished message in the prefix index if its path is indexed (OpenAI API chats)."""
+        parent_hash = await s.scalar(
+            select(Parent.chain_hash).join(Message, Message.parent_id == Parent.id).where(Message.id == message_id)
+        )
+        if parent_hash is None:
+            return
+        key = chain_hash(parent_hash, normalized("assistant", record.content, record.tool_calls))
+        await s.execute(update(Message).where(Message.id == message_id).values(chain_hash=key))
+
     async def store(self, message_id: str, attempt: int, record: GenerationRecord) -> bool:
         """Write the finished record and complete the message, once, in one transaction."""
         async with self.sessions() as s, s.begin():
@@ -161,6 +176,7 @@ class WorkStore:
             )
             if not res.rowcount:  # type: ignore[attr-defined]
                 return False
+            await self._index(s, message_id, record)
             s.add(
                 MessageTokens(
                     message_id=message_id,
@@ -181,6 +197,7 @@ class WorkStore:
                     num_cached_tokens=record.num_cached_tokens,
                     prompt_method=record.prompt_method,
                     resumed_at=pack_ids(record.resumed_at),
+                    prompt_check=record.prompt_check,
                 )
             )
             try:

@@ -36,6 +36,7 @@ from shared.protocol import (
     FinishedFrame,
     HeartbeatFrame,
     HelloFrame,
+    RawPrompt,
     ResumeState,
     TokensFrame,
     WelcomeFrame,
@@ -243,8 +244,12 @@ class WorkerHub:
             sampling=params.sampling_parameters,
             seed=params.seed,
             tools=params.tools,
-            prior=await self.store.prior_chain(path),
+            prior=None if params.raw_prompt else await self.store.prior_chain(path),
             resume=resume,
+            template_kwargs=params.template_kwargs,
+            raw=RawPrompt.model_validate(params.raw_prompt) if params.raw_prompt else None,
+            client_prompt_ids=params.client_prompt_ids,
+            required_prefix_ids=params.required_prefix_ids,
         )
         inflight.next_index = len(resume.token_ids) if resume else 0
         await conn.send(frame)
@@ -279,12 +284,21 @@ class WorkerHub:
         if inflight is None or not frame.token_ids:
             return
         n = len(frame.token_ids)
-        if len(frame.logprobs) != n or len(frame.texts) != n:
+        channels = frame.channels or ""
+        top = frame.top_logprobs
+        if (
+            len(frame.logprobs) != n
+            or len(frame.texts) != n
+            or (channels and len(channels) != n)
+            or (top is not None and len(top) != n)
+        ):
             log.warning("worker %s sent a tokens frame with mismatched lengths", conn.id)
             return
+        prompt = frame.prompt_ids if frame.start == 0 else None
         try:
             await self.streams.append(
-                frame.message_id, TokenBatch(frame.start, frame.token_ids, frame.logprobs, frame.texts)
+                frame.message_id,
+                TokenBatch(frame.start, frame.token_ids, frame.logprobs, frame.texts, channels, top, prompt),
             )
             inflight.next_index = frame.start + n
         except StreamConflict:

@@ -53,6 +53,11 @@ class SamplingParameters(BaseModel):
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] = Field(default_factory=list)
     top_logprobs: Annotated[int, Field(ge=0, le=20)] = 0
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    # generation stops after the token that completes one of these (kept in the tokens, cut from content)
+    stop: Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=16)] = Field(
+        default_factory=list
+    )
 
 
 class ModelConfigRead(BaseModel):
@@ -75,6 +80,11 @@ class WorkParameters(BaseModel):
     # the chat's system prompt and tools when this message was requested
     system_prompt: str | None = None
     tools: list[ToolSchema] | None = None
+    # OpenAI API requests: chat-template arguments, a raw prompt, client-supplied prompt tokens
+    template_kwargs: dict[str, Any] | None = None
+    raw_prompt: dict[str, Any] | None = None
+    client_prompt_ids: list[int] | None = None
+    required_prefix_ids: list[int] | None = None
 
 
 class MessageRead(BaseModel):

@@ -40,6 +40,16 @@ class CreditFrame(BaseModel):
     credits: int = Field(ge=1)
 
 
+# One alternative of a position's most likely tokens: (token id, logprob, token text).
+TopLogprob = tuple[int, float, str]
+
+# Per-token channel of a completion, for streaming parsed output (see worker.output_parser.ChannelTracker):
+CHANNEL_CONTENT = "c"  # visible reply text
+CHANNEL_REASONING = "r"  # inside the reasoning block
+CHANNEL_TOOL = "t"  # tool-call markup: clients get the parsed calls when the message finishes
+CHANNEL_HIDDEN = "x"  # markers and special tokens that render as nothing
+
+
 class TokensFrame(BaseModel):
     """One engine step's tokens for one message. ``start`` is the index of the first token."""
 
@@ -50,6 +60,9 @@ class TokensFrame(BaseModel):
     token_ids: list[int]
     logprobs: list[float | None]
     texts: list[str]  # text delta contributed by each token ("" while a character is incomplete)
+    channels: str | None = None  # one CHANNEL_* character per token
+    top_logprobs: list[list[TopLogprob]] | None = None  # per token, when the request asked for them
+    prompt_ids: list[int] | None = None  # on an attempt's first frame: the prompt it generates from
 
 
 class GenerationRecord(BaseModel):
@@ -76,6 +89,9 @@ class GenerationRecord(BaseModel):
     reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
     resumed_at: list[int] = Field(default_factory=list)  # completion indices where a retry resumed
+    # client-supplied prompt tokens, checked against the prompt built from the stored chain:
+    # "match", "mismatch@<index>", "prefix-match" or "prefix-mismatch@<index>"
+    prompt_check: str | None = None
 
 
 class FinishedFrame(BaseModel):
@@ -142,6 +158,14 @@ class ResumeState(BaseModel):
     texts: list[str]
 
 
+class RawPrompt(BaseModel):
+    """A prompt given as it is (text completions, tokens in): no chat template is applied."""
+
+    token_ids: list[int] | None = None
+    text: str | None = None  # encoded by the worker's tokenizer
+    add_special_tokens: bool = True
+
+
 class WorkFrame(BaseModel):
     type: Literal["work"] = "work"
     message_id: str
@@ -154,6 +178,11 @@ class WorkFrame(BaseModel):
     tools: list[dict[str, Any]] | None = None
     prior: PriorChain | None = None
     resume: ResumeState | None = None
+    template_kwargs: dict[str, Any] | None = None  # chat-template arguments of this request
+    raw: RawPrompt | None = None  # generate from this prompt instead of building one from messages
+    # tokens a client built for this prompt: generation uses them; the record says if they matched
+    client_prompt_ids: list[int] | None = None
+    required_prefix_ids: list[int] | None = None  # the built prompt must start with these (checked)
 
 
 class CancelFrame(BaseModel):

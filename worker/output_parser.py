@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["OutputParser", "ParsedOutput"]
+__all__ = ["ChannelTracker", "OutputParser", "ParsedOutput"]
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -199,6 +199,25 @@ class OutputParser:
             prompt_opens_think=think is not None and _prompt_opens_think(tokenizer, template),
         )
 
+    def opened_by(self, prompt_ids: Sequence[int]) -> bool:
+        """Whether this prompt leaves a reasoning block open: a ``<think>`` among its last tokens
+        with no ``</think>`` after it (the generation prompt of Qwen3 and DeepSeek-R1; not Qwen3 with
+        ``enable_thinking=False``, whose prompt closes an empty block)."""
+        if self.think is None:
+            return False
+        open_id, close_id = self.think
+        tail = list(prompt_ids[-8:])
+        opened = False
+        for token_id in tail:
+            if token_id == open_id:
+                opened = True
+            elif token_id == close_id:
+                opened = False
+        return opened
+
+    def channels(self, *, prompt_opens_think: bool) -> ChannelTracker:
+        return ChannelTracker(self, prompt_opens_think)
+
     # ---- decoding ----------------------------------------------------------------------------------
     def _decode(self, ids: Sequence[int]) -> str:
         if not ids:
@@ -347,3 +366,45 @@ class OutputParser:
         except _Malformed as exc:
             notes.append(f"JSON tool call {_snippet(content)}: {exc}; kept as content")
             return None
+
+
+class ChannelTracker:
+    """Classifies completion tokens one at a time, for streaming: each token is content, reasoning,
+    tool-call markup or hidden (``shared.protocol`` CHANNEL_*), following ``OutputParser.parse``'s
+    rules as far as they can be decided without seeing later tokens. The parsed message is
+    authoritative: a malformed tool call becomes content there, and a ``</think>`` that closes a block
+    the prompt did not open turns earlier content into reasoning there."""
+
+    def __init__(self, parser: OutputParser, prompt_opens_think: bool) -> None:
+        self._p = parser
+        self._state = "reasoning" if prompt_opens_think and parser.think is not None else "content"
+        self._think_done = self._state == "reasoning"  # only the first block is reasoning
+
+    def feed(self, token_id: int) -> str:
+        p = self._p
+        if self._state == "reasoning":
+            assert p.think is not None
+            if token_id == p.think[1]:
+                self._state = "content"
+                return "x"
+            return "r"
+        if self._state == "tool":
+            if p.hermes is not None and token_id == p.hermes[1]:
+                self._state = "content"
+            return "t"
+        if self._state == "tail-tool":
+            return "t"
+        if p.think is not None and not self._think_done and token_id in p.think:
+            self._think_done = True
+            if token_id == p.think[0]:
+                self._state = "reasoning"
+            return "x"
+        if p.hermes is not None and token_id == p.hermes[0]:
+            self._state = "tool"
+            return "t"
+        if p.python_tag is not None and token_id == p.python_tag:
+            self._state = "tail-tool"
+            return "t"
+        if token_id in p._trailing:
+            return "x"
+        return "c"

@@ -1,7 +1,7 @@
 """Logits processing and logprobs shared by the HF engine and the teacher-forcing verifier (DESIGN D7).
 
 The distribution a token is sampled from is built exactly like transformers' ``generate`` builds it:
-fp32 logits -> repetition penalty -> temperature -> top-k -> top-p -> typical-p -> log_softmax, with
+fp32 logits -> repetition penalty -> temperature -> top-k -> top-p -> min-p -> typical-p -> log_softmax, with
 filtered tokens at ``-inf``. Greedy decoding (``temperature == 0``) takes the argmax and reports the
 log_softmax of the penalised logits at temperature 1, without filtering.
 
@@ -42,6 +42,7 @@ def param_error(params: GenerationParams) -> str | None:
         (params.top_k is None or params.top_k >= 0, "top_k must be >= 0"),
         (params.top_p is None or 0 < params.top_p <= 1, "top_p must be in (0, 1]"),
         (params.typical_p is None or 0 < params.typical_p <= 1, "typical_p must be in (0, 1]"),
+        (params.min_p is None or 0 <= params.min_p <= 1, "min_p must be in [0, 1]"),
         (
             params.repetition_penalty is None or params.repetition_penalty > 0,
             "repetition_penalty must be > 0",
@@ -84,6 +85,8 @@ def process_logits(
         scores = scores.masked_fill(scores < kth, _NEG_INF)
     if params.top_p is not None and params.top_p < 1.0:
         scores = _top_p(scores, params.top_p)
+    if params.min_p is not None and params.min_p > 0.0:
+        scores = _min_p(scores, params.min_p)
     if params.typical_p is not None and params.typical_p < 1.0:
         scores = _typical_p(scores, params.typical_p)
     return torch.log_softmax(scores, dim=-1)
@@ -97,6 +100,13 @@ def _top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     remove_sorted[..., -1:] = False
     remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
     return scores.masked_fill(remove, _NEG_INF)
+
+
+def _min_p(scores: torch.Tensor, min_p: float) -> torch.Tensor:
+    # transformers' MinPLogitsWarper: drop tokens less likely than min_p x the most likely one.
+    probs = torch.softmax(scores, dim=-1)
+    threshold = min_p * probs.amax(dim=-1, keepdim=True)
+    return scores.masked_fill(probs < threshold, _NEG_INF)
 
 
 def _typical_p(scores: torch.Tensor, mass: float) -> torch.Tensor:

@@ -22,6 +22,9 @@ class TokenBatch:
     token_ids: list[int]
     logprobs: list[float | None]
     texts: list[str]
+    channels: str = ""  # one shared.protocol CHANNEL_* character per token, when the worker sent them
+    top_logprobs: list[list[tuple[int, float, str]]] | None = None
+    prompt_ids: list[int] | None = None  # only on the batch at start 0: the prompt generated from
 
     @property
     def end(self) -> int:

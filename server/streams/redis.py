@@ -3,7 +3,8 @@
 Entry IDs are explicit: a batch covering ``[start, end)`` has ID ``0-<end>``, the terminal entry
 ``1-0`` sorts after every batch. Batch fields: ``start`` (decimal), ``ids`` (JSON list of ints),
 ``logprobs`` (JSON list; non-finite values as the strings ``"-inf"``/``"inf"``/``"nan"`` because
-JSON has no infinities), ``texts`` (JSON list of strings). Terminal fields: ``status`` and, when
+JSON has no infinities), ``texts`` (JSON list of strings), and when present ``ch`` (channels),
+``top`` (JSON top logprobs) and ``prompt`` (JSON prompt ids). Terminal fields: ``status`` and, when
 set, ``error`` and ``code``. Appends go through a Lua script, so the length check and the XADD
 are atomic across server processes.
 """
@@ -57,7 +58,7 @@ def _decode_logprob(value: float | str | None) -> float | None:
 
 
 def _encode_batch(batch: TokenBatch) -> list[EncodableT]:
-    return [
+    fields: list[EncodableT] = [
         "start",
         str(batch.start),
         "ids",
@@ -67,6 +68,14 @@ def _encode_batch(batch: TokenBatch) -> list[EncodableT]:
         "texts",
         orjson.dumps(batch.texts),
     ]
+    if batch.channels:
+        fields += ["ch", batch.channels]
+    if batch.top_logprobs is not None:
+        top = [[[i, _encode_logprob(lp), t] for i, lp, t in row] for row in batch.top_logprobs]
+        fields += ["top", orjson.dumps(top)]
+    if batch.prompt_ids is not None:
+        fields += ["prompt", orjson.dumps(batch.prompt_ids)]
+    return fields
 
 
 def _decode_entry(entry_id: bytes | str, raw: Any) -> StreamEntry:
@@ -83,6 +92,13 @@ def _decode_entry(entry_id: bytes | str, raw: Any) -> StreamEntry:
         token_ids=orjson.loads(fields["ids"]),
         logprobs=[_decode_logprob(lp) for lp in orjson.loads(fields["logprobs"])],
         texts=orjson.loads(fields["texts"]),
+        channels=text(fields["ch"]) if "ch" in fields else "",
+        top_logprobs=(
+            [[(i, _decode_logprob(lp) or 0.0, t) for i, lp, t in row] for row in orjson.loads(fields["top"])]
+            if "top" in fields
+            else None
+        ),
+        prompt_ids=orjson.loads(fields["prompt"]) if "prompt" in fields else None,
     )
 
 

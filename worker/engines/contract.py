@@ -21,6 +21,7 @@ class GenerationParams:
     top_k: int | None = None
     top_p: float | None = None
     typical_p: float | None = None
+    min_p: float | None = None
     repetition_penalty: float | None = None
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()

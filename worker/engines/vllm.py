@@ -98,6 +98,7 @@ class VLLMEngine:
             temperature=params.temperature,
             top_k=params.top_k or 0,  # 0 (or -1): no top-k
             top_p=1.0 if params.top_p is None else params.top_p,
+            min_p=0.0 if params.min_p is None else params.min_p,
             repetition_penalty=1.0 if params.repetition_penalty is None else params.repetition_penalty,
             seed=params.seed,
             max_tokens=limit,

@@ -45,6 +45,19 @@ async def open_database(settings: ServerSettings) -> tuple[AsyncEngine, SessionF
     return engine, create_session_factory(engine)
 
 
+def issue_user_key(settings: ServerSettings, name: str, *, admin: bool = False) -> str:
+    """Blocking: a new API key of user ``name`` (created if needed) in the settings' database."""
+
+    async def go() -> str:
+        engine, sessions = await open_database(settings)
+        try:
+            return await create_user(sessions, name, admin=admin)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(go())
+
+
 def issue_worker_key(settings: ServerSettings, name: str) -> str:
     """Blocking: a new worker key in the settings' database (migrated first when the settings say so).
     For launchers, scripts and tests that run outside an event loop."""

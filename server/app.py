@@ -16,6 +16,7 @@ from server.api.auth import router as auth_router
 from server.api.chats import configs_router
 from server.api.chats import router as chats_router
 from server.api.deps import StateDep
+from server.api.openai import router as openai_router
 from server.auth import TokenSigner
 from server.db import create_engine, create_session_factory, ping
 from server.queue.protocol import WorkerDirectory, WorkQueue
@@ -111,6 +112,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.include_router(configs_router)
     app.include_router(chats_router)
     app.include_router(admin_router)
+    app.include_router(openai_router)
 
     @app.websocket("/workers/work")
     async def worker_socket(ws: WebSocket) -> None:

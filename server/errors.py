@@ -20,24 +20,70 @@ log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
-    def __init__(self, code: ErrorCode, detail: str, *, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        code: ErrorCode,
+        detail: str,
+        *,
+        headers: dict[str, str] | None = None,
+        param: str | None = None,
+        status_code: int | None = None,
+    ) -> None:
         super().__init__(detail)
         self.code = code
         self.detail = detail
-        self.status_code = HTTP_STATUS.get(code, 400)
+        self.status_code = status_code or HTTP_STATUS.get(code, 400)
         self.headers = headers
+        self.param = param  # the offending request field (OpenAI error ``param``)
+
+
+# Routes that answer in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}.
+_OPENAI_PREFIXES = ("/v1/", "/inference/", "/tokenize", "/detokenize")
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+def is_openai_path(path: str) -> bool:
+    return path.startswith(_OPENAI_PREFIXES)
+
+
+def openai_error_body(status: int, message: str, code: str, param: str | None = None) -> dict[str, object]:
+    kind = _OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _loc(loc: tuple[object, ...] | list[object]) -> str | None:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or None
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        if is_openai_path(request.url.path):
+            body = openai_error_body(exc.status_code, exc.detail, exc.code.value, exc.param)
+            return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
         return JSONResponse(
             {"detail": exc.detail, "code": exc.code.value}, status_code=exc.status_code, headers=exc.headers
         )
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
+        if is_openai_path(request.url.path):  # OpenAI and vLLM answer a malformed body with 400
+            first = errors[0] if errors else {}
+            message = "; ".join(f"{_loc(e.get('loc', ())) or 'body'}: {e.get('msg')}" for e in errors[:5])
+            body = openai_error_body(400, message or "invalid request", ErrorCode.validation_error.value)
+            body["error"]["param"] = _loc(first.get("loc", ()))  # type: ignore[index]
+            return JSONResponse(body, status_code=400)
         # Oversized content is a size problem (413), not a shape problem.
         for err in errors:
             if err.get("type") == "string_too_long" and "content" in err.get("loc", ()):
@@ -49,7 +95,14 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse({"detail": safe, "code": ErrorCode.validation_error.value}, status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if is_openai_path(request.url.path):
+            code = "not_found" if exc.status_code == 404 else ErrorCode.bad_request.value
+            return JSONResponse(
+                openai_error_body(exc.status_code, str(exc.detail), code),
+                status_code=exc.status_code,
+                headers=getattr(exc, "headers", None),
+            )
         code = {404: ErrorCode.bad_request, 405: ErrorCode.bad_request}.get(exc.status_code, ErrorCode.bad_request)
         return JSONResponse(
             {"detail": exc.detail, "code": "not_found" if exc.status_code == 404 else code.value},
@@ -58,6 +111,9 @@ def install_error_handlers(app: FastAPI) -> None:
         )
 
     @app.exception_handler(Exception)
-    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
+        if is_openai_path(request.url.path):
+            body = openai_error_body(500, "internal error", ErrorCode.internal_error.value)
+            return JSONResponse(body, status_code=500)
         return JSONResponse({"detail": "internal error", "code": ErrorCode.internal_error.value}, status_code=500)

@@ -15,6 +15,8 @@ class ErrorCode(StrEnum):
     # 400
     bad_request = "bad_request"
     not_assistant_message = "not_assistant_message"
+    unsupported_parameter = "unsupported_parameter"  # OpenAI API: a field tokentrail cannot honour
+    invalid_messages = "invalid_messages"  # OpenAI API: messages that cannot form a conversation
     # 401 / 403
     not_authenticated = "not_authenticated"
     invalid_credentials = "invalid_credentials"
@@ -23,6 +25,7 @@ class ErrorCode(StrEnum):
     # 404
     chat_not_found = "chat_not_found"
     message_not_found = "message_not_found"
+    model_not_found = "model_not_found"  # OpenAI API: no connected worker offers the model
     # 409
     parent_wrong_role = "parent_wrong_role"
     parent_not_complete = "parent_not_complete"
@@ -36,6 +39,7 @@ class ErrorCode(StrEnum):
     # 503
     queue_full = "queue_full"
     not_ready = "not_ready"
+    no_worker = "no_worker"  # nothing connected can serve a tokenizer request
     # worker / generation
     invalid_worker_key = "invalid_worker_key"
     protocol_version_mismatch = "protocol_version_mismatch"
@@ -51,6 +55,15 @@ class ErrorCode(StrEnum):
 HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.bad_request: 400,
     ErrorCode.not_assistant_message: 400,
+    ErrorCode.unsupported_parameter: 400,
+    ErrorCode.invalid_messages: 400,
+    ErrorCode.model_not_found: 404,
+    ErrorCode.no_worker: 503,
+    ErrorCode.template_rejected: 400,
+    ErrorCode.engine_error: 500,
+    ErrorCode.worker_lost: 503,
+    ErrorCode.too_many_attempts: 503,
+    ErrorCode.internal_error: 500,
     ErrorCode.not_authenticated: 401,
     ErrorCode.invalid_credentials: 401,
     ErrorCode.debug_auth_disabled: 403,

@@ -1,0 +1,412 @@
+"""OpenAI-compatible routes: ``/v1/models``, ``/v1/chat/completions`` (and verifiers' ``/tokens`` form),
+``/v1/completions`` and vLLM's tokens-in ``/inference/v1/generate``.
+
+Every request is stored as a chat of the key's user: chat requests continue the longest stored path
+their messages match (``server/openai/conversations.py``), so an unmodified client that sends only
+messages gets prompts stitched from stored tokens. Errors use OpenAI's shape (``server/errors.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Response
+from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
+
+from server.api.chats import offered_models
+from server.api.deps import CurrentUser, SessionDep, StateDep
+from server.errors import ApiError
+from server.models import Message
+from server.openai.conversations import ConversationStore, parse_messages, seed_for
+from server.openai.follow import Finished, Progress, follow
+from server.openai.responses import (
+    SSE_DONE,
+    assistant_message,
+    dumps,
+    finish_reason,
+    logprob_entries,
+    sse,
+    stop_reason,
+    stored_logprobs,
+    token_texts,
+    tokentrail_info,
+    usage,
+)
+from server.queue.protocol import QueueFull
+from server.state import AppState
+from server.streams.protocol import StreamReset, TokenBatch
+from shared.api import MAX_NEW_TOKENS_LIMIT, MessageState, SamplingParameters, _check_tools
+from shared.errors import ErrorCode
+from shared.openai_api import (
+    ChatCompletionRequest,
+    ChatCompletionTokensRequest,
+    SamplingFields,
+)
+from shared.packing import unpack_ids
+
+router = APIRouter(tags=["openai"])
+
+_STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@router.get("/v1/models")
+async def list_models(state: StateDep, _user: CurrentUser) -> dict[str, Any]:
+    models = sorted((await offered_models(state)).values(), key=lambda m: m.name)
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": m.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "tokentrail",
+                "root": m.name,
+                "max_model_len": m.max_context,
+            }
+            for m in models
+        ],
+    }
+
+
+# ---- shared request handling ----------------------------------------------------------------------
+async def _require_model(state: AppState, model: str) -> None:
+    if model not in await offered_models(state):
+        raise ApiError(
+            ErrorCode.model_not_found,
+            f"The model `{model}` does not exist or no worker serves it now; see GET /v1/models",
+            param="model",
+        )
+
+
+def _unsupported(param: str, why: str) -> ApiError:
+    return ApiError(ErrorCode.unsupported_parameter, f"{param}: {why}", param=param)
+
+
+def _sampling(body: SamplingFields, max_tokens: int | None, top_logprobs: int) -> SamplingParameters:
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise _unsupported(name, "not supported by tokentrail's engines; use repetition_penalty")
+    if body.logit_bias:
+        raise _unsupported("logit_bias", "not supported")
+    try:
+        return SamplingParameters(
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=None if body.top_k in (None, -1, 0) else body.top_k,
+            min_p=body.min_p or None,
+            repetition_penalty=body.repetition_penalty,
+            max_new_tokens=max_tokens or MAX_NEW_TOKENS_LIMIT,
+            seed=None if body.seed is None else body.seed % 2**63,
+            stop_token_ids=body.stop_token_ids or [],
+            top_logprobs=top_logprobs,
+            stop=body.stop_strings(),
+        )
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err.get("loc", ())) or None
+        raise ApiError(ErrorCode.validation_error, f"{param}: {err.get('msg')}", param=param, status_code=400) from exc
+
+
+async def _enqueue(state: AppState, session: Any, messages: list[Message]) -> None:
+    for k, msg in enumerate(messages):
+        try:
+            await state.queue.enqueue(msg.model_config_name or "", msg.id, msg.attempt)
+        except QueueFull as exc:
+            for left in messages[k:]:
+                await state.hub.store.fail(left.id, None, ErrorCode.queue_full, "the queue was full")
+            raise ApiError(
+                ErrorCode.queue_full, "the server is busy; try again later", headers={"Retry-After": "5"}
+            ) from exc
+
+
+async def _collect(state: AppState, message_id: str) -> tuple[Finished, Progress]:
+    progress = Progress()
+    done: Finished | None = None
+    async for item in follow(state, message_id, progress):
+        if isinstance(item, Finished):
+            done = item
+    if done is None:
+        raise ApiError(ErrorCode.message_not_found, f"message {message_id} was deleted while generating")
+    return done, progress
+
+
+def _failure(msg: Message) -> ApiError:
+    try:
+        code = ErrorCode(msg.error_code or ErrorCode.engine_error.value)
+    except ValueError:
+        code = ErrorCode.engine_error
+    status = 400 if code in (ErrorCode.context_overflow, ErrorCode.bad_request) else None
+    return ApiError(code, msg.error or f"generation ended {msg.state}", status_code=status)
+
+
+def _error_chunk(msg: Message) -> bytes:
+    exc = _failure(msg)
+    return sse({"error": {"message": exc.detail, "type": "server_error", "param": None, "code": exc.code.value}})
+
+
+class _Merge:
+    """Interleaves the chunk streams of n choices as they come."""
+
+    def __init__(self, sources: list[AsyncIterator[bytes]]) -> None:
+        self.sources = sources
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        if len(self.sources) == 1:
+            async for chunk in self.sources[0]:
+                yield chunk
+            return
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+        async def pump(source: AsyncIterator[bytes]) -> None:
+            try:
+                async for chunk in source:
+                    await queue.put(chunk)
+            finally:
+                await queue.put(None)
+
+        tasks = [asyncio.create_task(pump(s)) for s in self.sources]
+        try:
+            left = len(tasks)
+            while left:
+                item = await queue.get()
+                if item is None:
+                    left -= 1
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+
+
+# ---- chat completions -----------------------------------------------------------------------------
+@router.post("/v1/chat/completions")
+async def chat_completions(
+    body: ChatCompletionRequest, user: CurrentUser, session: SessionDep, state: StateDep
+) -> Response:
+    return await _chat(body, user.id, session, state, client_tokens=None)
+
+
+@router.post("/v1/chat/completions/tokens")
+async def chat_completions_tokens(
+    body: ChatCompletionTokensRequest, user: CurrentUser, session: SessionDep, state: StateDep
+) -> Response:
+    """A chat request plus the prompt ``tokens`` the client built (verifiers' token client): generation
+    uses those tokens; ``tokentrail.prompt_check`` says whether they equal the stored chain's prompt."""
+    return await _chat(body, user.id, session, state, client_tokens=body.tokens)
+
+
+async def _chat(
+    body: ChatCompletionRequest, user_id: str, session: Any, state: AppState, *, client_tokens: list[int] | None
+) -> Response:
+    await _require_model(state, body.model)
+    if body.response_format and body.response_format.get("type") not in (None, "text"):
+        raise _unsupported("response_format", "structured output is not supported; omit it or use type text")
+    choice = body.tool_choice
+    if isinstance(choice, dict) or choice not in (None, "auto", "none"):
+        raise _unsupported("tool_choice", "tokentrail does not constrain decoding: use auto or none")
+    if body.top_logprobs and not body.logprobs:
+        raise ApiError(ErrorCode.validation_error, "top_logprobs needs logprobs: true", param="top_logprobs")
+    try:
+        tools = _check_tools(body.tools) or None
+    except ValueError as exc:
+        raise ApiError(ErrorCode.validation_error, str(exc), param="tools", status_code=400) from exc
+    conv = parse_messages(body.messages)
+    top = (body.top_logprobs or 0) if body.logprobs else 0
+    sampling = _sampling(body, body.max_completion_tokens or body.max_tokens, top)
+    kwargs = body.chat_template_kwargs or None
+    store = ConversationStore(session, user_id)
+    cont = await store.continue_path(
+        conv=conv,
+        seed=seed_for(user_id, body.model, conv, tools, kwargs),
+        model=body.model,
+        tools=tools,
+        sampling=sampling,
+        n=body.n,
+        conversation_id=body.conversation_id,
+        extra_params={
+            "template_kwargs": kwargs,
+            "client_prompt_ids": client_tokens,
+            "required_prefix_ids": body.required_prefix_token_ids,
+        },
+    )
+    await _enqueue(state, session, cont.assistants)
+    await session.close()  # generation may take minutes; the follower opens its own sessions
+    ids = [m.id for m in cont.assistants]
+    created = int(time.time())
+    request_info = {
+        "chat_id": cont.chat.id,
+        "message_ids": ids,
+        "matched_messages": cont.matched,
+        "new_messages": cont.new_messages,
+        "parent_id": cont.parent_id,
+    }
+    ctx = _ChatContext(body, f"chatcmpl-{ids[0]}", created, cont.forked, request_info)
+    if body.stream:
+        chunks = _Merge([ctx.choice_chunks(state, i, mid) for i, mid in enumerate(ids)])
+        return StreamingResponse(ctx.stream(chunks), media_type="text/event-stream", headers=_STREAM_HEADERS)
+    results = await asyncio.gather(*(_collect(state, mid) for mid in ids))
+    return Response(dumps(ctx.body(results)), media_type="application/json")
+
+
+class _ChatContext:
+    def __init__(self, body: ChatCompletionRequest, cid: str, created: int, forked: bool, info: dict[str, Any]) -> None:
+        self.req = body
+        self.cid = cid
+        self.created = created
+        self.forked = forked
+        self.info = info
+        self.with_tools = body.tool_choice != "none"
+        self.top = (body.top_logprobs or 0) if body.logprobs else 0
+        self.usage = [0, 0, 0]  # prompt (first choice), completion (all), cached
+
+    def _base(self) -> dict[str, Any]:
+        return {"id": self.cid, "object": "chat.completion.chunk", "created": self.created, "model": self.req.model}
+
+    def _info(self, done: Finished) -> dict[str, Any]:
+        info = tokentrail_info(done.message, done.tokens, forked=self.forked)
+        return {**self.info, **info}
+
+    def body(self, results: list[tuple[Finished, Progress]]) -> dict[str, Any]:
+        choices = []
+        for i, (done, progress) in enumerate(results):
+            msg, tokens = done.message, done.tokens
+            if msg.state != MessageState.complete.value or tokens is None:
+                raise _failure(msg)
+            ids = unpack_ids(tokens.completion_ids)
+            choice: dict[str, Any] = {
+                "index": i,
+                "message": assistant_message(msg, with_tools=self.with_tools),
+                "logprobs": None,
+                "finish_reason": finish_reason(msg) if self.with_tools else msg.finish_reason,
+                "stop_reason": stop_reason(tokens),
+                "token_ids": ids,
+                "tokentrail": tokentrail_info(msg, tokens, forked=self.forked),
+            }
+            if self.req.logprobs:
+                tops = progress.top_logprobs if len(progress.top_logprobs) == len(ids) else None
+                entries = logprob_entries(
+                    ids,
+                    stored_logprobs(tokens),
+                    token_texts(tokens),
+                    tops,
+                    top_n=self.top,
+                    as_ids=self.req.return_tokens_as_token_ids,
+                )
+                choice["logprobs"] = {"content": entries}
+            choices.append(choice)
+        first = results[0][0]
+        assert first.tokens is not None
+        prompt = unpack_ids(first.tokens.prompt_ids)
+        completion = sum(len(unpack_ids(d.tokens.completion_ids)) for d, _ in results if d.tokens)
+        return {
+            "id": self.cid,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.req.model,
+            "choices": choices,
+            "usage": usage(len(prompt), completion, first.tokens.num_cached_tokens),
+            "prompt_token_ids": prompt,
+            "tokentrail": self._info(first),
+        }
+
+    async def stream(self, chunks: _Merge) -> AsyncIterator[bytes]:
+        async for chunk in chunks:
+            yield chunk
+        options = self.req.stream_options
+        if options is not None and options.include_usage:
+            prompt, completion, cached = self.usage
+            yield sse({**self._base(), "choices": [], "usage": usage(prompt, completion, cached)})
+        yield SSE_DONE
+
+    async def choice_chunks(self, state: AppState, index: int, message_id: str) -> AsyncIterator[bytes]:
+        progress = Progress()
+        first = True
+        started = {"c": False, "r": False}
+        streamed = ""
+        prompt_sent = False
+        async for item in follow(state, message_id, progress):
+            if isinstance(item, TokenBatch):
+                channels = item.channels or "c" * len(item.token_ids)
+                parts = {"c": "", "r": ""}
+                for text, ch in zip(item.texts, channels, strict=True):
+                    if ch in parts:
+                        parts[ch] += text
+                delta: dict[str, Any] = {"role": "assistant"} if first else {}
+                for ch, text in parts.items():
+                    if not started[ch]:  # the parsed message strips leading whitespace
+                        text = text.lstrip()
+                        started[ch] = bool(text)
+                    if not text:
+                        continue
+                    if ch == "c":
+                        delta["content"] = text
+                        streamed += text
+                    else:
+                        delta["reasoning_content"] = delta["reasoning"] = text
+                choice: dict[str, Any] = {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": None,
+                    "finish_reason": None,
+                    "token_ids": item.token_ids,
+                }
+                if self.req.logprobs:
+                    entries = logprob_entries(
+                        item.token_ids,
+                        item.logprobs,
+                        item.texts,
+                        item.top_logprobs,
+                        top_n=self.top,
+                        as_ids=self.req.return_tokens_as_token_ids,
+                    )
+                    choice["logprobs"] = {"content": entries}
+                chunk = {**self._base(), "choices": [choice]}
+                if first and progress.prompt_ids is not None:
+                    chunk["prompt_token_ids"] = progress.prompt_ids
+                    prompt_sent = True
+                first = False
+                yield sse(chunk)
+            elif isinstance(item, StreamReset):
+                yield sse({**self._base(), "choices": [], "tokentrail": {"reset_from": item.from_index}})
+            else:
+                msg, tokens = item.message, item.tokens
+                if msg.state != MessageState.complete.value or tokens is None:
+                    yield _error_chunk(msg)
+                    return
+                delta = {"role": "assistant"} if first else {}
+                calls = msg.tool_calls if self.with_tools else None
+                if calls:
+                    delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+                final, shown = msg.content or "", streamed.strip()
+                if final != shown and final.startswith(shown) and final[len(shown) :].strip():
+                    delta["content"] = final[len(shown) :]  # e.g. a malformed tool call kept as text
+                prompt = unpack_ids(tokens.prompt_ids)
+                completion = len(unpack_ids(tokens.completion_ids))
+                if index == 0:
+                    self.usage[0], self.usage[2] = len(prompt), tokens.num_cached_tokens or 0
+                self.usage[1] += completion
+                end: dict[str, Any] = {
+                    **self._base(),
+                    "choices": [
+                        {
+                            "index": index,
+                            "delta": delta,
+                            "logprobs": None,
+                            "finish_reason": finish_reason(msg) if self.with_tools else msg.finish_reason,
+                            "stop_reason": stop_reason(tokens),
+                            "token_ids": [],
+                        }
+                    ],
+                    "tokentrail": self._info(item),
+                }
+                if not prompt_sent:
+                    end["prompt_token_ids"] = prompt
+                yield sse(end)

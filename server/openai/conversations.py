@@ -1,0 +1,280 @@
+"""OpenAI-style requests onto stored chat trees (DESIGN D12).
+
+A request carries the whole conversation. ``parse_messages`` turns it into a system prompt and a path
+of user, assistant and tool messages; ``ConversationStore.continue_path`` finds the longest stored path
+of the user (and model, system prompt, tools, template arguments) that equals a prefix of it, through
+the chain-hash index (``shared/chain.py``), appends the rest as new messages and creates the assistant
+messages to generate. The worker then stitches the prompt from the stored tokens of that path.
+
+- a request that matches nothing starts a new chat (or new roots in the chat ``conversation_id`` pins);
+- messages after the matched prefix are stored as given: user and tool messages as written, assistant
+  messages the client wrote or edited as ``manual`` assistant messages without tokens (the worker's
+  prompt then forks: a full render, recorded);
+- the new messages branch off the matched message; when it already had other continuations the
+  response says ``forked`` (an edited or alternative history is recorded as a branch, never spliced).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from server.errors import ApiError
+from server.models import Chat, Message, new_id, utcnow
+from shared.api import MAX_CONTENT_CHARS, MessageState, SamplingParameters, WorkParameters
+from shared.chain import (
+    MessageFormatError,
+    chain_hash,
+    chain_hashes,
+    chain_seed,
+    normalized,
+    text_content,
+    tool_call_key,
+)
+from shared.errors import ErrorCode
+
+_REASONING_FIELDS = ("reasoning_content", "reasoning", "reasoning_text", "thinking")
+_TREE_ROLE = {"user": "prompter", "assistant": "assistant", "tool": "tool"}
+_MATCHABLE = (MessageState.manual.value, MessageState.complete.value)
+
+
+@dataclass
+class PathMessage:
+    role: str  # user | assistant | tool
+    content: str
+    norm: list[Any]
+    tool_calls: list[dict[str, Any]] | None = None
+    reasoning: str | None = None
+    tool_call_id: str | None = None
+
+
+@dataclass
+class Conversation:
+    system_prompt: str | None
+    path: list[PathMessage]
+
+
+@dataclass
+class Continued:
+    chat: Chat
+    assistants: list[Message]
+    matched: int  # request messages (system prompt excluded) found stored
+    forked: bool  # the new messages branch off a stored message that had other continuations
+    new_messages: int = 0
+    parent_id: str | None = None
+
+
+def _bad(message: str, param: str | None) -> ApiError:
+    return ApiError(ErrorCode.invalid_messages, message, param=param)
+
+
+def _tool_calls(raw: Any, param: str) -> list[dict[str, Any]] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise _bad("tool_calls must be a list", param)
+    calls = []
+    for k, call in enumerate(raw):
+        if not isinstance(call, dict):
+            raise _bad("a tool call must be an object", f"{param}[{k}]")
+        name, _ = tool_call_key(call)
+        fn = call.get("function", call)
+        args = fn.get("arguments")
+        calls.append(
+            {
+                "id": str(call.get("id") or f"call_{k}"),
+                "type": "function",
+                "function": {"name": name, "arguments": args if isinstance(args, str) else _dumps(args or {})},
+            }
+        )
+    return calls or None
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def parse_messages(messages: list[dict[str, Any]]) -> Conversation:
+    """The request's system prompt and path; ApiError(invalid_messages) names the offending field."""
+    system: str | None = None
+    path: list[PathMessage] = []
+    for i, m in enumerate(messages):
+        param = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad("each message must be an object", param)
+        role = m.get("role")
+        try:
+            content = text_content(m.get("content"), f"{param}.content")
+            if len(content) > MAX_CONTENT_CHARS:
+                raise ApiError(
+                    ErrorCode.content_too_long,
+                    f"{param}.content has {len(content)} characters; the limit is {MAX_CONTENT_CHARS}",
+                    param=f"{param}.content",
+                )
+            if role in ("system", "developer"):
+                if i != 0:
+                    raise _bad("a system or developer message is supported only as the first message", param)
+                system = content
+                continue
+            if role == "user":
+                path.append(PathMessage("user", content, normalized("user", content)))
+            elif role == "assistant":
+                calls = _tool_calls(m.get("tool_calls"), f"{param}.tool_calls")
+                reasoning = next((m[k] for k in _REASONING_FIELDS if isinstance(m.get(k), str)), None)
+                path.append(
+                    PathMessage("assistant", content, normalized("assistant", content, calls), calls, reasoning)
+                )
+            elif role == "tool":
+                call_id = m.get("tool_call_id")
+                if not isinstance(call_id, str) or not call_id:
+                    raise _bad("a tool message needs its tool_call_id", f"{param}.tool_call_id")
+                path.append(PathMessage("tool", content, normalized("tool", content), tool_call_id=call_id))
+            else:
+                raise _bad(f"unsupported role {role!r}: system, developer, user, assistant or tool", f"{param}.role")
+        except MessageFormatError as exc:
+            raise _bad(str(exc), exc.param if exc.param and exc.param.startswith("messages") else param) from exc
+    if not path:
+        raise _bad("the conversation needs a user message", "messages")
+    if path[-1].role not in ("user", "tool"):
+        raise _bad("the last message must be a user or tool message", f"messages[{len(messages) - 1}].role")
+    return Conversation(system, path)
+
+
+def seed_for(
+    user_id: str, model: str, conv: Conversation, tools: list[Any] | None, template_kwargs: dict[str, Any] | None
+) -> str:
+    return chain_seed(user_id, model, conv.system_prompt, tools, template_kwargs)
+
+
+class ConversationStore:
+    def __init__(self, session: AsyncSession, user_id: str) -> None:
+        self.session = session
+        self.user_id = user_id
+
+    async def longest_match(self, hashes: list[str], chat_id: str | None) -> tuple[Message | None, int]:
+        """The stored message ending the longest matching prefix, and that prefix's length."""
+        if not hashes:
+            return None, 0
+        q = (
+            select(Message)
+            .join(Chat, Chat.id == Message.chat_id)
+            .where(Message.chain_hash.in_(hashes), Chat.user_id == self.user_id, Message.state.in_(_MATCHABLE))
+        )
+        if chat_id is not None:
+            q = q.where(Message.chat_id == chat_id)
+        rows = (await self.session.scalars(q)).all()
+        if not rows:
+            return None, 0
+        position = {h: k for k, h in enumerate(hashes)}
+        # longest prefix first; among equal paths (identical siblings) the newest
+        best = max(rows, key=lambda m: (position[m.chain_hash or ""], m.id))
+        return best, position[best.chain_hash or ""] + 1
+
+    async def _chat(self, chat_id: str) -> Chat:
+        chat = await self.session.scalar(select(Chat).where(Chat.id == chat_id, Chat.user_id == self.user_id))
+        if chat is None:
+            raise ApiError(ErrorCode.chat_not_found, f"conversation {chat_id} not found", param="conversation_id")
+        return chat
+
+    async def _has_children(self, chat_id: str, parent_id: str | None) -> bool:
+        q = select(Message.id).where(Message.chat_id == chat_id)
+        q = q.where(Message.parent_id.is_(None)) if parent_id is None else q.where(Message.parent_id == parent_id)
+        return (await self.session.scalar(q.limit(1))) is not None
+
+    async def continue_path(
+        self,
+        *,
+        conv: Conversation,
+        seed: str,
+        model: str,
+        tools: list[Any] | None,
+        sampling: SamplingParameters,
+        n: int,
+        conversation_id: str | None,
+        extra_params: dict[str, Any],
+    ) -> Continued:
+        hashes = chain_hashes(seed, [m.norm for m in conv.path])
+        pinned = await self._chat(conversation_id) if conversation_id is not None else None
+        matched_msg, matched = await self.longest_match(hashes, conversation_id)
+        if matched_msg is not None:
+            chat = pinned or await self._chat(matched_msg.chat_id)
+            parent: Message | None = matched_msg
+        elif pinned is not None:
+            chat, parent = pinned, None
+        else:
+            title = conv.path[0].content.strip()[:80] or None
+            chat = Chat(user_id=self.user_id, system_prompt=conv.system_prompt, tools=tools, title=title)
+            self.session.add(chat)
+            await self.session.flush()
+            parent = None
+        tail = conv.path[matched:]
+        forked = bool(tail) and await self._has_children(chat.id, parent.id if parent else None)
+        parent_hash = hashes[matched - 1] if matched else seed
+        calls = list(parent.tool_calls or []) if parent is not None and parent.role == "assistant" else []
+        tool_index = 0
+        for pm in tail:
+            key = chain_hash(parent_hash, pm.norm)
+            msg = Message(
+                id=new_id(),
+                chat_id=chat.id,
+                parent_id=parent.id if parent else None,
+                role=_TREE_ROLE[pm.role],
+                content=pm.content,
+                state=MessageState.manual.value,
+                chain_hash=key,
+            )
+            if pm.role == "assistant":
+                msg.tool_calls = pm.tool_calls
+                msg.reasoning_content = pm.reasoning
+                msg.model_config_name = model
+                calls, tool_index = list(pm.tool_calls or []), 0
+            elif pm.role == "tool":
+                msg.tool_call_id = _resolve_call_id(pm.tool_call_id or "", calls, tool_index)
+                tool_index += 1
+            else:
+                calls, tool_index = [], 0
+            self.session.add(msg)
+            parent, parent_hash = msg, key
+        assert parent is not None
+        base_seed = sampling.seed if sampling.seed is not None else secrets.randbelow(2**62)
+        assistants = []
+        for i in range(n):
+            work = WorkParameters(
+                model_config_name=model,
+                sampling_parameters=sampling,
+                seed=(base_seed + i) % 2**63,
+                system_prompt=conv.system_prompt,
+                tools=tools,
+                **extra_params,
+            )
+            msg = Message(
+                id=new_id(),
+                chat_id=chat.id,
+                parent_id=parent.id,
+                role="assistant",
+                state=MessageState.pending.value,
+                model_config_name=model,
+                work_parameters=work.model_dump(mode="json", exclude_none=True),
+                attempt=1,
+            )
+            self.session.add(msg)
+            assistants.append(msg)
+        chat.modified_at = utcnow()
+        chat.active_thread_tail_message_id = assistants[0].id
+        await self.session.commit()
+        return Continued(chat, assistants, matched, forked, len(tail), parent.id)
+
+
+def _resolve_call_id(given: str, calls: list[dict[str, Any]], index: int) -> str:
+    """A tool result answers one call of the assistant message before it. Its id is kept when that
+    message made such a call; a client that renamed ids is mapped by position (the k-th result after
+    the message answers its k-th call), so templates that render call ids see the stored ones."""
+    ids = [str(c.get("id")) for c in calls]
+    if given in ids or not ids:
+        return given
+    return ids[index] if index < len(ids) else given

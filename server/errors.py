@@ -68,9 +68,10 @@ def _loc(loc: tuple[object, ...] | list[object]) -> str | None:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        if is_openai_path(request.url.path):
-            body = openai_error_body(exc.status_code, exc.detail, exc.code.value, exc.param)
-            return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+        if is_openai_path(request.url.path):  # OpenAI answers every invalid field with 400, not 422
+            status = 400 if exc.status_code == 422 else exc.status_code
+            body = openai_error_body(status, exc.detail, exc.code.value, exc.param)
+            return JSONResponse(body, status_code=status, headers=exc.headers)
         return JSONResponse(
             {"detail": exc.detail, "code": exc.code.value}, status_code=exc.status_code, headers=exc.headers
         )

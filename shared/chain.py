@@ -9,9 +9,9 @@ the number of stored chats.
 Normalization makes equal what clients change when they echo a conversation back:
 
 - content ``None``, ``""`` and a list of text parts with the same text are equal;
-- an assistant message is compared by its visible content and its tool calls (name and arguments
-  parsed as JSON, key order ignored); its reasoning (under any name) and tool-call ids are left out,
-  so it matches echoed with or without them;
+- an assistant message is compared by its visible content (surrounding whitespace ignored: streamed
+  deltas may carry it) and its tool calls (name and arguments parsed as JSON, key order ignored); its
+  reasoning (under any name) and tool-call ids are left out, so it matches echoed with or without them;
 - a tool result is compared by its content (its call id is left out: some clients rename ids).
 """
 
@@ -82,7 +82,7 @@ def normalized(role: str, content: Any, tool_calls: Sequence[Mapping[str, Any]] 
     """The comparable form of one non-system message (see the module docstring)."""
     text = text_content(content)
     if role == "assistant":
-        return ["assistant", text, [list(tool_call_key(c)) for c in tool_calls or []]]
+        return ["assistant", text.strip(), [list(tool_call_key(c)) for c in tool_calls or []]]
     if role in ("user", "tool"):
         return [role, text]
     raise MessageFormatError(f"role {role!r} has no place in a conversation path", "role")

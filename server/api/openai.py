@@ -330,6 +330,7 @@ class _ChatContext:
         progress = Progress()
         first = True
         started = {"c": False, "r": False}
+        held = {"c": "", "r": ""}
         streamed = ""
         prompt_sent = False
         async for item in follow(state, message_id, progress):
@@ -340,10 +341,14 @@ class _ChatContext:
                     if ch in parts:
                         parts[ch] += text
                 delta: dict[str, Any] = {"role": "assistant"} if first else {}
-                for ch, text in parts.items():
-                    if not started[ch]:  # the parsed message strips leading whitespace
-                        text = text.lstrip()
-                        started[ch] = bool(text)
+                for ch, piece in parts.items():
+                    # The parsed message is stripped: hold whitespace back until text follows it, so
+                    # that the deltas add up to the final content.
+                    text = held[ch] + piece if started[ch] else piece.lstrip()
+                    started[ch] = started[ch] or bool(text)
+                    body = text.rstrip()
+                    held[ch] = text[len(body) :]
+                    text = body
                     if not text:
                         continue
                     if ch == "c":

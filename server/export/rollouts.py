@@ -84,6 +84,7 @@ async def count_chats(sessions: SessionFactory, filters: ExportFilters) -> int:
 # The fields the export reads, by position: one row per message (the _M* indices) and, for complete
 # assistant messages, one row of their token record (the _T* indices).
 _M_ID, _M_PARENT, _M_ROLE, _M_STATE, _M_CONTENT, _M_REASONING, _M_TOOL_CALLS = range(7)
+_MANUAL = "manual"
 _M_MODEL, _M_WORK, _M_SCORE, _M_VOTED, _M_CREATED, _M_CHAT = range(7, 13)
 _MSG_COLUMNS: tuple[Any, ...] = (
     Message.id,
@@ -319,14 +320,14 @@ def _chat_rollouts(
     by_id = {m[_M_ID]: m for m in msgs}
     below: set[str] = set()  # messages with an assistant descendant
     for m in msgs:
-        if m[_M_ROLE] == "assistant":
+        if m[_M_ROLE] == "assistant" and m[_M_STATE] != _MANUAL:
             parent = m[_M_PARENT]
             while parent in by_id and parent not in below:
                 below.add(parent)
                 parent = by_id[parent][_M_PARENT]
     out = []
     for m in msgs:
-        if m[_M_ROLE] != "assistant" or m[_M_ID] in below:
+        if m[_M_ROLE] != "assistant" or m[_M_STATE] == _MANUAL or m[_M_ID] in below:
             continue
         rollout = _rollout(chat_id, user_id, _path(by_id, m[_M_ID]), tokens, filters, dec)
         if rollout is not None:
@@ -399,7 +400,8 @@ def _rollout(
     leaf = path[-1]
     if not _leaf_passes(leaf, filters, dec):
         return None
-    assistants = [m for m in path if m[_M_ROLE] == "assistant"]
+    # assistant messages a client wrote (OpenAI API histories) are context, not turns
+    assistants = [m for m in path if m[_M_ROLE] == "assistant" and m[_M_STATE] != _MANUAL]
     complete = all(m[_M_ID] in tokens for m in assistants)
     if not complete and not filters.include_incomplete:
         return None

@@ -8,6 +8,7 @@ the briefly trained tiny model, which calls tools, and ends in export + verify.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -299,7 +300,7 @@ def test_agent_loop_with_tools_is_exact_exports_and_verifies(agent_stack: Any, t
                 result = {"city": json.loads(call.function.arguments or "{}").get("city"), "temp": 11}
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)})
     # EPB 0: every later prompt extends the previous turn's prompt + completion exactly
-    for prev, cur in zip(records, records[1:], strict=False):
+    for prev, cur in itertools.pairwise(records):
         reused = prev["prompt_token_ids"] + prev["completion_token_ids"]
         assert cur["prior_message_id"] == prev["id"] and not cur["fork"]
         assert cur["prompt_token_ids"][: len(reused)] == reused

@@ -614,8 +614,14 @@ async def run_conversation(client: httpx.AsyncClient, arm: str, script: Script) 
 
 
 async def drive(
-    url: str, scripts: list[Script], concurrency: int, arms: Sequence[str] = ARMS
+    url: str, scripts: list[Script], concurrency: int, arms: Sequence[str] = ARMS, api: str = "chat"
 ) -> dict[str, list[Conversation]]:
+    """Run every script on every arm; ``api`` "openai" sends them through ``/v1/chat/completions``."""
+    runner = run_conversation
+    if api == "openai":
+        from benchmarks.exactness_openai import run_conversation_openai
+
+        runner = run_conversation_openai
     timeout = httpx.Timeout(60.0, read=600.0)
     async with httpx.AsyncClient(base_url=url, timeout=timeout) as client:
         resp = await client.get("/auth/callback/debug", params={"code": "exactness"})
@@ -626,7 +632,7 @@ async def drive(
 
         async def one(arm: str, script: Script) -> Conversation:
             async with gates[arm]:
-                conv = await run_conversation(client, arm, script)
+                conv = await runner(client, arm, script)
             done[arm] += 1
             _say("conversations done: " + ", ".join(f"{a} {done[a]}/{len(scripts)}" for a in arms))
             return conv
@@ -1137,6 +1143,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="chatml, llama3, a Jinja template file, or a real family of benchmarks/template_zoo (e.g. gpt-oss)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--api",
+        choices=("chat", "openai"),
+        default="chat",
+        help="drive conversations through the chat API (default) or /v1/chat/completions with messages only",
+    )
     parser.add_argument("--concurrency", type=int, default=8, help="conversations at a time per arm")
     parser.add_argument(
         "--engine",
@@ -1205,7 +1217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 model_dir, Path(tmp), args.concurrency, args.engine, ["--closer-policy", args.closer_policy]
             ) as url,
         ):
-            convs = asyncio.run(drive(url, scripts, args.concurrency))
+            convs = asyncio.run(drive(url, scripts, args.concurrency, api=args.api))
     driven = time.monotonic() - start
     _say(f"conversations finished in {driven:.0f} s; re-rendering and re-scoring...")
     if args.dump is not None:
@@ -1228,6 +1240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "turns": args.turns,
         "seed": args.seed,
         "concurrency": args.concurrency,
+        "api": args.api,
         "closer_policy": args.closer_policy,
         "stop_token_candidates": candidates,
         "closers": sorted(closers),

@@ -12,9 +12,12 @@ shifted) and 0.0 where the mask is 0; ``turn_spans`` are the ``[start, end)`` of
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
+
+from shared.stitching import merge_turns
 
 SCHEMA_NAME = "tokentrail"
 SCHEMA_VERSION = 1
@@ -73,3 +76,44 @@ class Rollout(BaseModel):
     complete: bool = True  # every assistant turn on the path finished
 
     model_config = {"populate_by_name": True}
+
+
+def sample_record(
+    token_ids: list[int],
+    mask: list[int],
+    lps: list[float],
+    spans: list[tuple[int, int]],
+    group: list[int],
+    turns: list[dict[str, Any]],
+) -> dict[str, Any]:
+    temps = [turns[i]["sampling"].get("temperature") for i in group]
+    return {
+        "token_ids": token_ids,
+        "loss_mask": mask,
+        "logprobs": lps,
+        "prompt_length": spans[0][0],
+        "turn_spans": spans,
+        "turn_indices": group,
+        "temperatures": [1.0 if t is None else float(t) for t in temps],
+    }
+
+
+def build_samples(
+    seqs: Sequence[tuple[Sequence[int], Sequence[int]]], turns: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Merge turns whose prompts extend the previous turns into samples with masks and logprobs."""
+    samples = []
+    for group in merge_turns(seqs):
+        prompt, completion = seqs[group[-1]]
+        token_ids = [*prompt, *completion]
+        mask = [0] * len(token_ids)
+        lps = [0.0] * len(token_ids)
+        spans = []
+        for i in group:
+            start = len(seqs[i][0])
+            end = start + len(seqs[i][1])
+            spans.append((start, end))
+            mask[start:end] = [1] * (end - start)
+            lps[start:end] = [0.0 if lp is None else lp for lp in turns[i]["logprobs"]]
+        samples.append(sample_record(token_ids, mask, lps, spans, group, turns))
+    return samples

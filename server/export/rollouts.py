@@ -41,8 +41,7 @@ from server.db import SessionFactory
 from server.models import Chat, Message, MessageTokens
 from server.repository import decode_stop_reason
 from shared.api import MessageState
-from shared.rollout import SCHEMA_NAME, SCHEMA_VERSION, RewardRule
-from shared.stitching import merge_turns
+from shared.rollout import SCHEMA_NAME, SCHEMA_VERSION, RewardRule, build_samples, sample_record
 
 CHAT_BATCH = 500  # chats per batch (its messages are one IN list: stay below SQLite's 999 parameters)
 
@@ -530,46 +529,5 @@ def _packed_samples(packed: list[_Packed], turns: list[dict[str, Any]]) -> list[
             lps += [0.0] * len(p.delta)
             lps += p.logprobs
             spans.append((start, start + len(p.completion_ids)))
-        samples.append(_sample(token_ids, mask, lps, spans, group, turns))
-    return samples
-
-
-def _sample(
-    token_ids: list[int],
-    mask: list[int],
-    lps: list[float],
-    spans: list[tuple[int, int]],
-    group: list[int],
-    turns: list[dict[str, Any]],
-) -> dict[str, Any]:
-    temps = [turns[i]["sampling"].get("temperature") for i in group]
-    return {
-        "token_ids": token_ids,
-        "loss_mask": mask,
-        "logprobs": lps,
-        "prompt_length": spans[0][0],
-        "turn_spans": spans,
-        "turn_indices": group,
-        "temperatures": [1.0 if t is None else float(t) for t in temps],
-    }
-
-
-def build_samples(
-    seqs: Sequence[tuple[Sequence[int], Sequence[int]]], turns: list[dict[str, Any]]
-) -> list[dict[str, Any]]:
-    """Merge turns whose prompts extend the previous turns into samples with masks and logprobs."""
-    samples = []
-    for group in merge_turns(seqs):
-        prompt, completion = seqs[group[-1]]
-        token_ids = [*prompt, *completion]
-        mask = [0] * len(token_ids)
-        lps = [0.0] * len(token_ids)
-        spans = []
-        for i in group:
-            start = len(seqs[i][0])
-            end = start + len(seqs[i][1])
-            spans.append((start, end))
-            mask[start:end] = [1] * (end - start)
-            lps[start:end] = [0.0 if lp is None else lp for lp in turns[i]["logprobs"]]
-        samples.append(_sample(token_ids, mask, lps, spans, group, turns))
+        samples.append(sample_record(token_ids, mask, lps, spans, group, turns))
     return samples

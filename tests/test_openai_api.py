@@ -22,6 +22,7 @@ from server.admin import issue_user_key
 from server.settings import ServerSettings
 from tests.stack import MODEL, ServerThread, WorkerThread, free_port, worker_key
 from tests.test_export import run_cli
+from tokentrail.trajectory import Trajectory
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +88,17 @@ def test_messages_only_turns_continue_the_stored_tokens(
     messages: list[dict[str, Any]] = [{"role": "system", "content": "Be terse."}]
     previous: dict[str, Any] | None = None
     chat_id = None
+    traj = Trajectory()
     for i, max_tokens in enumerate([5, 12, 4]):
         messages.append({"role": "user", "content": f"question {i} <|im_end|>"})
-        resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, seed=i)  # type: ignore[arg-type]
+        resp = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=max_tokens,
+            seed=i,
+            logprobs=True,
+        )
+        traj.add(resp)
         info = extra(resp)["tokentrail"]
         choice = resp.choices[0]
         record = stored(embedded_stack, key, info["chat_id"], info["message_id"])
@@ -108,6 +117,39 @@ def test_messages_only_turns_continue_the_stored_tokens(
         chat_id, previous = info["chat_id"], record
         # echo as clients do: content only (the id, reasoning and token fields are dropped)
         messages.append({"role": "assistant", "content": choice.message.content})
+    assert previous is not None
+    # the client helper's rollout: one sample, the last prompt + completion, masked on generated tokens
+    rollout = traj.rollout(reward=1.0)
+    [sample] = rollout.samples
+    assert sample.token_ids == previous["prompt_token_ids"] + previous["completion_token_ids"]
+    assert sum(sample.loss_mask) == sum(len(t.completion_ids) for t in rollout.turns)
+    assert [sample.token_ids[a:b] for a, b in sample.turn_spans] == [t.completion_ids for t in rollout.turns]
+    assert rollout.turns[-1].logprobs == pytest.approx(previous["logprobs"])
+
+
+def test_tokens_in_and_required_prefix_are_checked(api: Callable[[str], openai.OpenAI], embedded_stack: str) -> None:
+    client = api("oa-tokens")
+    messages = [{"role": "user", "content": "tokens in"}]
+    base = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3)  # type: ignore[arg-type]
+    prompt = extra(base)["prompt_token_ids"]
+    headers = {"Authorization": f"Bearer {client.api_key}"}
+
+    def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        resp = httpx.post(f"{embedded_stack}{path}", json={"model": MODEL, "max_tokens": 3, **body}, headers=headers)
+        assert resp.status_code == 200, resp.text
+        return dict(resp.json())
+
+    same = post("/v1/chat/completions/tokens", {"messages": messages, "tokens": prompt})
+    assert same["tokentrail"]["prompt_check"] == "match" and same["prompt_token_ids"] == prompt
+    altered = [*prompt[:-2], prompt[-2] + 1, prompt[-1]]
+    other = post("/v1/chat/completions/tokens", {"messages": messages, "tokens": altered})
+    info = other["tokentrail"]
+    assert info["prompt_check"] == f"mismatch@{len(prompt) - 2}" and not info["prompt_matched"]
+    assert other["prompt_token_ids"] == altered  # tokens in: generation used the client's prompt
+    prefix = post("/v1/chat/completions", {"messages": messages, "required_prefix_token_ids": prompt[:4]})
+    assert prefix["tokentrail"]["prompt_check"] == "prefix-match"
+    wrong = post("/v1/chat/completions", {"messages": messages, "required_prefix_token_ids": [prompt[0] + 1]})
+    assert wrong["tokentrail"]["prompt_check"] == "prefix-mismatch@0"
 
 
 def test_streaming_chunks_add_up_to_the_stored_message(

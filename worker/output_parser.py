@@ -247,7 +247,11 @@ class OutputParser:
             ids.pop()
         notes: list[str] = []
         opened = self.prompt_opens_think if prompt_opens_think is None else prompt_opens_think
-        reasoning_ids, visible = self._split_reasoning(ids, opened and self.think is not None, notes)
+        # A ``</think>`` before any ``<think>`` closes a block the prompt opened. When the caller knows
+        # the prompt did not open one, it is a stray marker (kept as text): streaming can then classify
+        # every token as it comes, with no later token turning streamed content into reasoning.
+        retroactive = prompt_opens_think is None or opened
+        reasoning_ids, visible = self._split_reasoning(ids, opened and self.think is not None, notes, retroactive)
         pieces, calls = self._split_tool_calls(visible, notes)
         content = "".join(pieces).strip()
         if not calls and self.python_tag is not None and content.startswith("{"):
@@ -263,6 +267,7 @@ class OutputParser:
         ids: list[int],
         opened: bool,
         notes: list[str],
+        retroactive: bool = True,
     ) -> tuple[list[int] | None, list[int]]:
         """(reasoning ids or None, visible ids). Only the first think block is reasoning."""
         if self.think is None:
@@ -270,7 +275,7 @@ class OutputParser:
         open_id, close_id = self.think
         first_open = ids.index(open_id) if open_id in ids else None
         first_close = ids.index(close_id) if close_id in ids else None
-        if first_close is not None and (first_open is None or first_close < first_open):
+        if first_close is not None and (first_open is None or first_close < first_open) and retroactive:
             return ids[:first_close], ids[first_close + 1 :]  # the prompt opened the block
         if first_open is not None:
             try:
@@ -371,9 +376,9 @@ class OutputParser:
 class ChannelTracker:
     """Classifies completion tokens one at a time, for streaming: each token is content, reasoning,
     tool-call markup or hidden (``shared.protocol`` CHANNEL_*), following ``OutputParser.parse``'s
-    rules as far as they can be decided without seeing later tokens. The parsed message is
-    authoritative: a malformed tool call becomes content there, and a ``</think>`` that closes a block
-    the prompt did not open turns earlier content into reasoning there."""
+    rules with the prompt's ``prompt_opens_think`` given (so a ``</think>`` the prompt did not open is
+    literal text in both). The parsed message is authoritative: a malformed tool call becomes content
+    there (the final stream chunk then carries that text)."""
 
     def __init__(self, parser: OutputParser, prompt_opens_think: bool) -> None:
         self._p = parser
@@ -394,10 +399,9 @@ class ChannelTracker:
             return "t"
         if self._state == "tail-tool":
             return "t"
-        if p.think is not None and not self._think_done and token_id in p.think:
+        if p.think is not None and not self._think_done and token_id == p.think[0]:
             self._think_done = True
-            if token_id == p.think[0]:
-                self._state = "reasoning"
+            self._state = "reasoning"
             return "x"
         if p.hermes is not None and token_id == p.hermes[0]:
             self._state = "tool"

@@ -160,14 +160,21 @@ class ConversationStore:
         """The stored message ending the longest matching prefix, and that prefix's length."""
         if not hashes:
             return None, 0
-        q = (
-            select(Message)
-            .join(Chat, Chat.id == Message.chat_id)
-            .where(Message.chain_hash.in_(hashes), Chat.user_id == self.user_id, Message.state.in_(_MATCHABLE))
-        )
+        # By hash alone, so that the planner probes the chain-hash index (joined to chats it may scan
+        # the user's chats instead, which grows with them); ownership is checked on the few hits.
+        q = select(Message).where(Message.chain_hash.in_(hashes), Message.state.in_(_MATCHABLE))
         if chat_id is not None:
             q = q.where(Message.chat_id == chat_id)
-        rows = (await self.session.scalars(q)).all()
+        hits = (await self.session.scalars(q)).all()
+        if not hits:
+            return None, 0
+        chat_ids = {m.chat_id for m in hits}
+        owned = set(
+            (
+                await self.session.scalars(select(Chat.id).where(Chat.id.in_(chat_ids), Chat.user_id == self.user_id))
+            ).all()
+        )
+        rows = [m for m in hits if m.chat_id in owned]
         if not rows:
             return None, 0
         position = {h: k for k, h in enumerate(hashes)}

@@ -494,6 +494,16 @@ class Turn:
     streamed_logprobs: list[float | None] = field(default_factory=list)
     stored: dict[str, Any] = field(default_factory=dict)  # MessageRead with tokens
 
+    def as_message(self) -> WorkMessage:
+        """The stored assistant message as the oracle renders it in later history."""
+        return WorkMessage(
+            id=self.message_id,
+            role="assistant",
+            content=self.stored.get("content") or "",
+            tool_calls=self.stored.get("tool_calls") or None,
+            reasoning_content=self.stored.get("reasoning_content"),
+        )
+
     @property
     def prompt(self) -> list[int]:
         return list(self.stored.get("prompt_token_ids") or [])
@@ -588,15 +598,7 @@ async def run_conversation(client: httpx.AsyncClient, arm: str, script: Script) 
                 conv.failed.append(turn)
                 return conv
             stored = turn.stored
-            msgs.append(
-                WorkMessage(
-                    id=turn.message_id,
-                    role="assistant",
-                    content=stored.get("content") or "",
-                    tool_calls=stored.get("tool_calls") or None,
-                    reasoning_content=stored.get("reasoning_content"),
-                )
-            )
+            msgs.append(turn.as_message())
             conv.turns.append(turn)
             parent, new_from = turn.message_id, len(msgs)
             calls = stored.get("tool_calls") or []

@@ -92,16 +92,7 @@ async def run_conversation_openai(client: httpx.AsyncClient, arm: str, script: S
             if echo is None:
                 conv.failed.append(turn)
                 return conv
-            stored = turn.stored
-            msgs.append(
-                WorkMessage(
-                    id=turn.message_id,
-                    role="assistant",
-                    content=stored.get("content") or "",
-                    tool_calls=stored.get("tool_calls") or None,
-                    reasoning_content=stored.get("reasoning_content"),
-                )
-            )
+            msgs.append(turn.as_message())
             wire.append(echo)
             conv.turns.append(turn)
             new_from = len(msgs)

@@ -112,7 +112,7 @@ def _sampling(body: SamplingFields, max_tokens: int | None, top_logprobs: int) -
         raise ApiError(ErrorCode.validation_error, f"{param}: {err.get('msg')}", param=param, status_code=400) from exc
 
 
-async def _enqueue(state: AppState, session: Any, messages: list[Message]) -> None:
+async def _enqueue(state: AppState, messages: list[Message]) -> None:
     for k, msg in enumerate(messages):
         try:
             await state.queue.enqueue(msg.model_config_name or "", msg.id, msg.attempt)
@@ -237,7 +237,7 @@ async def _chat(
             "required_prefix_ids": body.required_prefix_token_ids,
         },
     )
-    await _enqueue(state, session, cont.assistants)
+    await _enqueue(state, cont.assistants)
     await session.close()  # generation may take minutes; the follower opens its own sessions
     ids = [m.id for m in cont.assistants]
     created = int(time.time())

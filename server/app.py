@@ -17,6 +17,8 @@ from server.api.chats import configs_router
 from server.api.chats import router as chats_router
 from server.api.deps import StateDep
 from server.api.openai import router as openai_router
+from server.api.openai_completions import router as completions_router
+from server.api.tokenizer import router as tokenizer_router
 from server.auth import TokenSigner
 from server.db import create_engine, create_session_factory, ping
 from server.queue.protocol import WorkerDirectory, WorkQueue
@@ -113,6 +115,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.include_router(chats_router)
     app.include_router(admin_router)
     app.include_router(openai_router)
+    app.include_router(completions_router)
+    app.include_router(tokenizer_router)
 
     @app.websocket("/workers/work")
     async def worker_socket(ws: WebSocket) -> None:

@@ -15,6 +15,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
@@ -29,6 +30,7 @@ from server.streams.protocol import StreamConflict, StreamDone, TokenBatch, Toke
 from server.work_store import WorkStore
 from shared.errors import ErrorCode
 from shared.protocol import (
+    FEATURE_RPC,
     PROTOCOL_VERSION,
     CreditFrame,
     ErrorFrame,
@@ -38,6 +40,9 @@ from shared.protocol import (
     HelloFrame,
     RawPrompt,
     ResumeState,
+    RpcFrame,
+    RpcMethod,
+    RpcResultFrame,
     TokensFrame,
     WelcomeFrame,
     WorkFrame,
@@ -49,6 +54,16 @@ log = logging.getLogger(__name__)
 CLOSE_INVALID_KEY = 4401
 CLOSE_PROTOCOL = 4426
 CLOSE_BAD_FRAME = 4400
+
+
+class RpcUnavailable(Exception):
+    """No worker connected to this server process can answer a tokenizer call for the model."""
+
+
+class RpcFailed(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
@@ -67,8 +82,9 @@ class WorkerConnection:
     inflight: dict[str, InFlight] = field(default_factory=dict)
     last_seen: float = field(default_factory=time.monotonic)
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    calls: dict[str, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)  # rpc id -> answer
 
-    async def send(self, frame: WorkFrame | HeartbeatFrame | WelcomeFrame | ErrorFrame) -> None:
+    async def send(self, frame: WorkFrame | HeartbeatFrame | WelcomeFrame | ErrorFrame | RpcFrame) -> None:
         async with self.send_lock:
             await self.ws.send_text(frame.model_dump_json())
 
@@ -152,6 +168,9 @@ class WorkerHub:
             log.info("worker %s disconnected: %s", conn.id, eg.exceptions[0])
         finally:
             self.connections.pop(conn.id, None)
+            for call in conn.calls.values():
+                if not call.done():
+                    call.set_exception(RpcUnavailable(f"worker {conn.id} went away"))
             await self.directory.unregister(conn.id)
             await asyncio.shield(self._recover_all(conn))
 
@@ -188,6 +207,37 @@ class WorkerHub:
                 await self._on_finished(conn, frame)
             elif isinstance(frame, FailedFrame):
                 await self._on_failed(conn, frame)
+            elif isinstance(frame, RpcResultFrame):
+                call = conn.calls.get(frame.id)
+                if call is not None and not call.done():
+                    if frame.result is not None:
+                        call.set_result(frame.result)
+                    else:
+                        call.set_exception(RpcFailed(frame.code or "engine_error", frame.message or "rpc failed"))
+
+    # ---- tokenizer calls ---------------------------------------------------------------------
+    async def call(
+        self, model: str, method: RpcMethod, params: dict[str, Any], timeout_s: float = 30.0
+    ) -> dict[str, Any]:
+        """Ask a worker of ``model`` connected to this process for tokenizer work (the least busy)."""
+        conns = [
+            c for c in self.connections.values() if c.hello.model_name == model and FEATURE_RPC in c.hello.features
+        ]
+        if not conns:
+            raise RpcUnavailable(f"no worker for {model} that answers tokenizer calls is connected to this server")
+        conn = min(conns, key=lambda c: len(c.inflight) + len(c.calls))
+        call_id = secrets.token_hex(8)
+        answer: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        conn.calls[call_id] = answer
+        try:
+            await conn.send(RpcFrame(id=call_id, method=method, params=params))
+            return await asyncio.wait_for(answer, timeout=timeout_s)
+        except TimeoutError as exc:
+            raise RpcUnavailable(f"worker {conn.id} did not answer within {timeout_s:.0f}s") from exc
+        except (WebSocketDisconnect, RuntimeError, ConnectionError) as exc:
+            raise RpcUnavailable(f"worker {conn.id} went away") from exc
+        finally:
+            conn.calls.pop(call_id, None)
 
     async def _heartbeat(self, conn: WorkerConnection) -> None:
         while True:

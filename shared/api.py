@@ -58,6 +58,7 @@ class SamplingParameters(BaseModel):
     stop: Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=16)] = Field(
         default_factory=list
     )
+    ignore_eos: bool = False  # stop only on stop_token_ids and stop strings, not the model's end tokens
 
 
 class ModelConfigRead(BaseModel):

@@ -28,12 +28,11 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
-    """What chat and text completions share."""
+class SamplingKnobs(BaseModel):
+    """Sampling fields as OpenAI and vLLM name them (request bodies and vLLM's ``sampling_params``)."""
 
     model_config = ConfigDict(extra="allow", protected_namespaces=())
 
-    model: str
     temperature: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=-1, le=100_000)] | None = None
@@ -47,17 +46,24 @@ class SamplingFields(BaseModel):
     stop_token_ids: Annotated[list[NonNegInt], Field(max_length=64)] | None = None
     seed: int | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    ignore_eos: bool = False  # vLLM: stop only on stop_token_ids and stop strings
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class SamplingFields(SamplingKnobs):
+    """What chat and text completions share."""
+
+    model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = None  # token ids are always returned; accepted for vLLM clients
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>" (vLLM)
     # tokentrail: continue this chat (otherwise the longest matching stored conversation)
     conversation_id: str | None = None
-
-    def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -80,11 +86,21 @@ class ChatCompletionTokensRequest(ChatCompletionRequest):
 
 
 class CompletionRequest(SamplingFields):
-    # a text, a list of token ids, or a list with one of either (OpenAI's batch form with one prompt)
+    # a text, token ids, or a batch of either
     prompt: str | list[NonNegInt] | list[str] | list[list[NonNegInt]]
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
     add_special_tokens: bool = True
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
 
 
 class TokenizeRequest(BaseModel):
@@ -114,6 +130,17 @@ class DetokenizeRequest(BaseModel):
     tokens: list[NonNegInt]
 
 
+class VllmSamplingParams(SamplingKnobs):
+    """vLLM's ``SamplingParams`` as ``/inference/v1/generate`` takes them (``max_tokens`` defaults to 16
+    as in vLLM). Fields that only shape output text are accepted; the rest must be supported."""
+
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS_LIMIT)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    prompt_logprobs: int | None = None
+    min_tokens: int = 0
+    best_of: int | None = None
+
+
 class GenerateRequest(BaseModel):
     """vLLM's tokens-in ``/inference/v1/generate``: token ids and sampling parameters."""
 
@@ -121,8 +148,9 @@ class GenerateRequest(BaseModel):
 
     model: str | None = None
     token_ids: Annotated[list[NonNegInt], Field(min_length=1)]
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    sampling_params: VllmSamplingParams = Field(default_factory=VllmSamplingParams)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     request_id: str | None = None
 
 

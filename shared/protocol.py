@@ -4,8 +4,11 @@ Every frame is a JSON object with a ``type`` discriminator. Flow control is by c
 server sends a ``work`` frame only while the worker has credits left; each ``credit`` frame from
 the worker adds to them. ``attempt`` is a fencing token: frames of a stale attempt are dropped.
 
-Worker -> server: hello, credit, tokens, finished, failed, heartbeat.
-Server -> worker: welcome, work, cancel, heartbeat, error (fatal; the server closes after it).
+Worker -> server: hello, credit, tokens, finished, failed, heartbeat, rpc_result.
+Server -> worker: welcome, work, cancel, heartbeat, rpc, error (fatal; the server closes after it).
+
+``rpc`` asks a worker that announced the ``rpc`` feature for tokenizer work (tokenize, render a chat,
+detokenize) so that the server stays model-agnostic; the worker answers with ``rpc_result``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ class HelloFrame(BaseModel):
     capacity: int = Field(ge=1, le=4096)
     max_context: int | None = None
     worker_version: str = ""
+    features: list[str] = Field(default_factory=list)  # optional frames the worker handles ("rpc")
+    vocab_size: int | None = None  # token ids the tokenizer knows: 0 <= id < vocab_size
 
 
 class CreditFrame(BaseModel):
@@ -191,6 +196,29 @@ class CancelFrame(BaseModel):
     attempt: int
 
 
+FEATURE_RPC = "rpc"
+RpcMethod = Literal["tokenize", "render_chat", "detokenize"]
+
+
+class RpcFrame(BaseModel):
+    """A tokenizer call for the worker (``/tokenize``, ``/detokenize``, text completions' echo)."""
+
+    type: Literal["rpc"] = "rpc"
+    id: str
+    method: RpcMethod
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class RpcResultFrame(BaseModel):
+    """The answer to one ``rpc``: ``result``, or an error ``code`` and ``message``."""
+
+    type: Literal["rpc_result"] = "rpc_result"
+    id: str
+    result: dict[str, Any] | None = None
+    code: str | None = None
+    message: str | None = None
+
+
 class ErrorFrame(BaseModel):
     type: Literal["error"] = "error"
     code: str
@@ -198,11 +226,11 @@ class ErrorFrame(BaseModel):
 
 
 WorkerFrame = Annotated[
-    HelloFrame | CreditFrame | TokensFrame | FinishedFrame | FailedFrame | HeartbeatFrame,
+    HelloFrame | CreditFrame | TokensFrame | FinishedFrame | FailedFrame | HeartbeatFrame | RpcResultFrame,
     Field(discriminator="type"),
 ]
 ServerFrame = Annotated[
-    WelcomeFrame | WorkFrame | CancelFrame | HeartbeatFrame | ErrorFrame, Field(discriminator="type")
+    WelcomeFrame | WorkFrame | CancelFrame | HeartbeatFrame | RpcFrame | ErrorFrame, Field(discriminator="type")
 ]
 
 worker_frame_adapter: TypeAdapter[WorkerFrame] = TypeAdapter(WorkerFrame)

@@ -329,7 +329,7 @@ class ChatFormat:
         empty_lists: bool | None,
     ) -> str:
         lists = self.empty_lists if empty_lists is None else empty_lists
-        kwargs: dict[str, Any] = {**self.template_kwargs, **({"documents": []} if lists else {})}
+        kwargs: dict[str, Any] = {**({"documents": []} if lists else {}), **self.template_kwargs}
         try:
             text: str = self.tokenizer.apply_chat_template(
                 messages,

@@ -23,6 +23,7 @@ from websockets.asyncio.client import ClientConnection
 from shared.errors import ErrorCode
 from shared.packing import to_float32
 from shared.protocol import (
+    FEATURE_RPC,
     PROTOCOL_VERSION,
     CancelFrame,
     CreditFrame,
@@ -33,6 +34,8 @@ from shared.protocol import (
     GenerationRecord,
     HeartbeatFrame,
     HelloFrame,
+    RpcFrame,
+    RpcResultFrame,
     TokensFrame,
     TopLogprob,
     WelcomeFrame,
@@ -44,6 +47,7 @@ from worker.detokenizer import IncrementalDetokenizer
 from worker.engines.contract import Engine, EngineError, GenerationParams
 from worker.output_parser import OutputParser, ParsedOutput
 from worker.prompt_builder import BuiltPrompt, CloserPolicy, PromptBuilder, PromptMode, template_error
+from worker.rpc import RpcError, handle_rpc, vocab_size
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +107,8 @@ class WorkerClient:
             compat_hash=self.fmt.compat_hash,
             capacity=self.options.max_parallel,
             max_context=self.engine.info.max_context,
+            features=[FEATURE_RPC],
+            vocab_size=vocab_size(self.fmt),
         )
 
     async def run_forever(self) -> None:
@@ -150,11 +156,26 @@ class WorkerClient:
                         self._tasks[key] = asyncio.create_task(self._work(frame), name=f"work-{key}")
                     elif isinstance(frame, CancelFrame):
                         await self.engine.abort(_request_id(frame.message_id, frame.attempt))
+                    elif isinstance(frame, RpcFrame):
+                        await self._send(self._rpc(frame))
                     elif isinstance(frame, ErrorFrame):
                         self._raise_error(frame)
             finally:
                 beat.cancel()
                 self._ws = None
+
+    def _rpc(self, frame: RpcFrame) -> RpcResultFrame:
+        # Run in the event loop, not a thread: prompt builds share the tokenizer, and transformers
+        # toggles state on it (split_special_tokens) while encoding. Tokenizer calls take milliseconds.
+        try:
+            return RpcResultFrame(id=frame.id, result=handle_rpc(self.fmt, frame.method, frame.params))
+        except RpcError as exc:
+            return RpcResultFrame(id=frame.id, code=exc.code.value, message=str(exc))
+        except Exception as exc:
+            log.exception("rpc %s failed", frame.method)
+            return RpcResultFrame(
+                id=frame.id, code=ErrorCode.engine_error.value, message=f"{type(exc).__name__}: {exc}"
+            )
 
     def _raise_error(self, frame: ErrorFrame) -> None:
         if frame.code in FATAL_CODES:
@@ -167,7 +188,8 @@ class WorkerClient:
             await self._send(HeartbeatFrame())
 
     async def _send(
-        self, frame: HelloFrame | CreditFrame | TokensFrame | FinishedFrame | FailedFrame | HeartbeatFrame
+        self,
+        frame: HelloFrame | CreditFrame | TokensFrame | FinishedFrame | FailedFrame | HeartbeatFrame | RpcResultFrame,
     ) -> None:
         ws = self._ws
         if ws is None:
@@ -310,7 +332,8 @@ class WorkerClient:
         sampling = frame.sampling
         stop_strings = StopStrings(sampling.stop)
         remaining = sampling.max_new_tokens - len(completion)
-        stops = tuple(dict.fromkeys([*sampling.stop_token_ids, *self.fmt.stop_token_ids]))
+        model_stops = () if sampling.ignore_eos else self.fmt.stop_token_ids
+        stops = tuple(dict.fromkeys([*sampling.stop_token_ids, *model_stops]))
         finish_reason: FinishReason = "length"
         stop_reason: int | str | None = None
         num_cached: int | None = None

@@ -1,5 +1,5 @@
-"""OpenAI-compatible routes: ``/v1/models``, ``/v1/chat/completions`` (and verifiers' ``/tokens`` form),
-``/v1/completions`` and vLLM's tokens-in ``/inference/v1/generate``.
+"""OpenAI-compatible chat routes: ``/v1/models`` and ``/v1/chat/completions`` (and verifiers' ``/tokens``
+form). Raw prompts are in ``openai_completions.py``, tokenizer calls in ``tokenizer.py``.
 
 Every request is stored as a chat of the key's user: chat requests continue the longest stored path
 their messages match (``server/openai/conversations.py``), so an unmodified client that sends only
@@ -9,21 +9,28 @@ messages gets prompts stitched from stored tokens. Errors use OpenAI's shape (``
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Response
 from fastapi.responses import StreamingResponse
-from pydantic import ValidationError
 
 from server.api.chats import offered_models
 from server.api.deps import CurrentUser, SessionDep, StateDep
 from server.errors import ApiError
-from server.models import Message
 from server.openai.conversations import ConversationStore, parse_messages, seed_for
 from server.openai.follow import Finished, Progress, follow
+from server.openai.handling import (
+    Merge,
+    collect,
+    enqueue,
+    error_chunk,
+    failure,
+    require_model,
+    sampling_params,
+    unsupported,
+)
 from server.openai.responses import (
     SSE_DONE,
     assistant_message,
@@ -37,15 +44,13 @@ from server.openai.responses import (
     tokentrail_info,
     usage,
 )
-from server.queue.protocol import QueueFull
 from server.state import AppState
 from server.streams.protocol import StreamReset, TokenBatch
-from shared.api import MAX_NEW_TOKENS_LIMIT, MessageState, SamplingParameters, _check_tools
+from shared.api import MessageState, _check_tools
 from shared.errors import ErrorCode
 from shared.openai_api import (
     ChatCompletionRequest,
     ChatCompletionTokensRequest,
-    SamplingFields,
 )
 from shared.packing import unpack_ids
 
@@ -73,119 +78,6 @@ async def list_models(state: StateDep, _user: CurrentUser) -> dict[str, Any]:
     }
 
 
-# ---- shared request handling ----------------------------------------------------------------------
-async def _require_model(state: AppState, model: str) -> None:
-    if model not in await offered_models(state):
-        raise ApiError(
-            ErrorCode.model_not_found,
-            f"The model `{model}` does not exist or no worker serves it now; see GET /v1/models",
-            param="model",
-        )
-
-
-def _unsupported(param: str, why: str) -> ApiError:
-    return ApiError(ErrorCode.unsupported_parameter, f"{param}: {why}", param=param)
-
-
-def _sampling(body: SamplingFields, max_tokens: int | None, top_logprobs: int) -> SamplingParameters:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name):
-            raise _unsupported(name, "not supported by tokentrail's engines; use repetition_penalty")
-    if body.logit_bias:
-        raise _unsupported("logit_bias", "not supported")
-    try:
-        return SamplingParameters(
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=None if body.top_k in (None, -1, 0) else body.top_k,
-            min_p=body.min_p or None,
-            repetition_penalty=body.repetition_penalty,
-            max_new_tokens=max_tokens or MAX_NEW_TOKENS_LIMIT,
-            seed=None if body.seed is None else body.seed % 2**63,
-            stop_token_ids=body.stop_token_ids or [],
-            top_logprobs=top_logprobs,
-            stop=body.stop_strings(),
-        )
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        param = ".".join(str(p) for p in err.get("loc", ())) or None
-        raise ApiError(ErrorCode.validation_error, f"{param}: {err.get('msg')}", param=param, status_code=400) from exc
-
-
-async def _enqueue(state: AppState, messages: list[Message]) -> None:
-    for k, msg in enumerate(messages):
-        try:
-            await state.queue.enqueue(msg.model_config_name or "", msg.id, msg.attempt)
-        except QueueFull as exc:
-            for left in messages[k:]:
-                await state.hub.store.fail(left.id, None, ErrorCode.queue_full, "the queue was full")
-            raise ApiError(
-                ErrorCode.queue_full, "the server is busy; try again later", headers={"Retry-After": "5"}
-            ) from exc
-
-
-async def _collect(state: AppState, message_id: str) -> tuple[Finished, Progress]:
-    progress = Progress()
-    done: Finished | None = None
-    async for item in follow(state, message_id, progress):
-        if isinstance(item, Finished):
-            done = item
-    if done is None:
-        raise ApiError(ErrorCode.message_not_found, f"message {message_id} was deleted while generating")
-    return done, progress
-
-
-def _failure(msg: Message) -> ApiError:
-    try:
-        code = ErrorCode(msg.error_code or ErrorCode.engine_error.value)
-    except ValueError:
-        code = ErrorCode.engine_error
-    status = 400 if code in (ErrorCode.context_overflow, ErrorCode.bad_request) else None
-    return ApiError(code, msg.error or f"generation ended {msg.state}", status_code=status)
-
-
-def _error_chunk(msg: Message) -> bytes:
-    exc = _failure(msg)
-    return sse({"error": {"message": exc.detail, "type": "server_error", "param": None, "code": exc.code.value}})
-
-
-class _Merge:
-    """Interleaves the chunk streams of n choices as they come."""
-
-    def __init__(self, sources: list[AsyncIterator[bytes]]) -> None:
-        self.sources = sources
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        if len(self.sources) == 1:
-            async for chunk in self.sources[0]:
-                yield chunk
-            return
-        queue: asyncio.Queue[bytes | None] = asyncio.Queue()
-
-        async def pump(source: AsyncIterator[bytes]) -> None:
-            try:
-                async for chunk in source:
-                    await queue.put(chunk)
-            finally:
-                await queue.put(None)
-
-        tasks = [asyncio.create_task(pump(s)) for s in self.sources]
-        try:
-            left = len(tasks)
-            while left:
-                item = await queue.get()
-                if item is None:
-                    left -= 1
-                else:
-                    yield item
-        finally:
-            for t in tasks:
-                t.cancel()
-            for t in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await t
-
-
 # ---- chat completions -----------------------------------------------------------------------------
 @router.post("/v1/chat/completions")
 async def chat_completions(
@@ -206,12 +98,12 @@ async def chat_completions_tokens(
 async def _chat(
     body: ChatCompletionRequest, user_id: str, session: Any, state: AppState, *, client_tokens: list[int] | None
 ) -> Response:
-    await _require_model(state, body.model)
+    await require_model(state, body.model)
     if body.response_format and body.response_format.get("type") not in (None, "text"):
-        raise _unsupported("response_format", "structured output is not supported; omit it or use type text")
+        raise unsupported("response_format", "structured output is not supported; omit it or use type text")
     choice = body.tool_choice
     if isinstance(choice, dict) or choice not in (None, "auto", "none"):
-        raise _unsupported("tool_choice", "tokentrail does not constrain decoding: use auto or none")
+        raise unsupported("tool_choice", "tokentrail does not constrain decoding: use auto or none")
     if body.top_logprobs and not body.logprobs:
         raise ApiError(ErrorCode.validation_error, "top_logprobs needs logprobs: true", param="top_logprobs")
     try:
@@ -220,7 +112,7 @@ async def _chat(
         raise ApiError(ErrorCode.validation_error, str(exc), param="tools", status_code=400) from exc
     conv = parse_messages(body.messages)
     top = (body.top_logprobs or 0) if body.logprobs else 0
-    sampling = _sampling(body, body.max_completion_tokens or body.max_tokens, top)
+    sampling = sampling_params(body, body.max_completion_tokens or body.max_tokens, top)
     kwargs = body.chat_template_kwargs or None
     store = ConversationStore(session, user_id)
     cont = await store.continue_path(
@@ -237,7 +129,7 @@ async def _chat(
             "required_prefix_ids": body.required_prefix_token_ids,
         },
     )
-    await _enqueue(state, cont.assistants)
+    await enqueue(state, cont.assistants)
     await session.close()  # generation may take minutes; the follower opens its own sessions
     ids = [m.id for m in cont.assistants]
     created = int(time.time())
@@ -250,9 +142,9 @@ async def _chat(
     }
     ctx = _ChatContext(body, f"chatcmpl-{ids[0]}", created, cont.forked, request_info)
     if body.stream:
-        chunks = _Merge([ctx.choice_chunks(state, i, mid) for i, mid in enumerate(ids)])
+        chunks = Merge([ctx.choice_chunks(state, i, mid) for i, mid in enumerate(ids)])
         return StreamingResponse(ctx.stream(chunks), media_type="text/event-stream", headers=_STREAM_HEADERS)
-    results = await asyncio.gather(*(_collect(state, mid) for mid in ids))
+    results = await asyncio.gather(*(collect(state, mid) for mid in ids))
     return Response(dumps(ctx.body(results)), media_type="application/json")
 
 
@@ -279,7 +171,7 @@ class _ChatContext:
         for i, (done, progress) in enumerate(results):
             msg, tokens = done.message, done.tokens
             if msg.state != MessageState.complete.value or tokens is None:
-                raise _failure(msg)
+                raise failure(msg)
             ids = unpack_ids(tokens.completion_ids)
             choice: dict[str, Any] = {
                 "index": i,
@@ -317,7 +209,7 @@ class _ChatContext:
             "tokentrail": self._info(first),
         }
 
-    async def stream(self, chunks: _Merge) -> AsyncIterator[bytes]:
+    async def stream(self, chunks: Merge) -> AsyncIterator[bytes]:
         async for chunk in chunks:
             yield chunk
         options = self.req.stream_options
@@ -384,7 +276,7 @@ class _ChatContext:
             else:
                 msg, tokens = item.message, item.tokens
                 if msg.state != MessageState.complete.value or tokens is None:
-                    yield _error_chunk(msg)
+                    yield error_chunk(msg)
                     return
                 delta = {"role": "assistant"} if first else {}
                 calls = msg.tool_calls if self.with_tools else None

@@ -277,6 +277,50 @@ class ConversationStore:
         return Continued(chat, assistants, matched, forked, len(tail), parent.id)
 
 
+async def store_raw(
+    session: AsyncSession,
+    user_id: str,
+    *,
+    text: str,
+    raw: dict[str, Any],
+    title: str,
+    model: str,
+    sampling: SamplingParameters,
+    n: int,
+) -> tuple[Chat, list[Message]]:
+    """A raw-prompt request (text completions, tokens in) as a chat of its own: the prompt as a
+    prompter message and n assistant messages generated from the prompt as given (no template).
+    Such chats are not in the prefix index: chat requests never continue them."""
+    chat = Chat(user_id=user_id, title=title[:80] or None)
+    session.add(chat)
+    await session.flush()
+    prompt = Message(
+        id=new_id(), chat_id=chat.id, parent_id=None, role="prompter", content=text, state=MessageState.manual.value
+    )
+    session.add(prompt)
+    base_seed = sampling.seed if sampling.seed is not None else secrets.randbelow(2**62)
+    assistants = []
+    for i in range(n):
+        work = WorkParameters(
+            model_config_name=model, sampling_parameters=sampling, seed=(base_seed + i) % 2**63, raw_prompt=raw
+        )
+        msg = Message(
+            id=new_id(),
+            chat_id=chat.id,
+            parent_id=prompt.id,
+            role="assistant",
+            state=MessageState.pending.value,
+            model_config_name=model,
+            work_parameters=work.model_dump(mode="json", exclude_none=True),
+            attempt=1,
+        )
+        session.add(msg)
+        assistants.append(msg)
+    chat.active_thread_tail_message_id = assistants[0].id
+    await session.commit()
+    return chat, assistants
+
+
 def _resolve_call_id(given: str, calls: list[dict[str, Any]], index: int) -> str:
     """A tool result answers one call of the assistant message before it. Its id is kept when that
     message made such a call; a client that renamed ids is mapped by position (the k-th result after

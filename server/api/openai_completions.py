@@ -1,0 +1,374 @@
+"""Raw-prompt routes: OpenAI's ``POST /v1/completions`` (a text or token-id prompt, no chat template) and
+vLLM's tokens-in ``POST /inference/v1/generate``.
+
+Each prompt is stored as a chat of its own (``store_raw``): the worker generates from the prompt as
+given, and the stored record, export and verify see exactly those prompt ids. Token ids ride on every
+response (per choice ``prompt_token_ids`` and ``token_ids``; in streams the prompt ids in a choice's
+first chunk and the new ids in every chunk).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Response
+from fastapi.responses import StreamingResponse
+
+from server.api.deps import CurrentUser, SessionDep, StateDep
+from server.errors import ApiError
+from server.models import Message
+from server.openai.conversations import store_raw
+from server.openai.follow import Finished, Progress, follow
+from server.openai.handling import (
+    Merge,
+    collect,
+    enqueue,
+    error_chunk,
+    failure,
+    require_model,
+    resolve_model,
+    rpc_call,
+    sampling_params,
+    unsupported,
+)
+from server.openai.responses import (
+    SSE_DONE,
+    dumps,
+    finite,
+    logprob_entries,
+    sse,
+    stop_reason,
+    stored_logprobs,
+    token_texts,
+    tokentrail_info,
+    usage,
+)
+from server.state import AppState
+from server.streams.protocol import StreamReset, TokenBatch
+from shared.api import MessageState
+from shared.errors import ErrorCode
+from shared.openai_api import MAX_N, CompletionRequest, GenerateRequest
+from shared.packing import unpack_ids
+
+router = APIRouter(tags=["openai"])
+
+_STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_MAX_CHOICES = 64  # prompts x n in one request
+_COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for text completions
+
+
+@dataclass
+class _Job:
+    """One stored generation of a raw-prompt request."""
+
+    index: int  # choice index: prompt index x n + sibling
+    message_id: str
+    echo: str  # text put before the completion (echo)
+
+
+def _legacy_logprobs(
+    ids: list[int],
+    lps: list[float | None],
+    texts: list[str],
+    tops: list[list[tuple[int, float, str]] | None] | None,
+    top_n: int,
+    offset: int,
+) -> dict[str, Any]:
+    """The text-completions ``logprobs`` object: tokens, token_logprobs, top_logprobs, text_offset."""
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for k, (_tid, lp, text) in enumerate(zip(ids, lps, texts, strict=True)):
+        out["tokens"].append(text)
+        out["token_logprobs"].append(finite(lp))
+        alts = (tops[k] if tops is not None and k < len(tops) else None) or []
+        out["top_logprobs"].append({t: finite(v) for _i, v, t in alts[:top_n]} if top_n else None)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+# ---- /v1/completions ------------------------------------------------------------------------------
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, user: CurrentUser, session: SessionDep, state: StateDep) -> Response:
+    await require_model(state, body.model)
+    if body.suffix:
+        raise unsupported("suffix", "insertion (suffix) is not supported")
+    if body.best_of is not None and body.best_of != body.n:
+        raise unsupported("best_of", "best_of other than n is not supported; use n")
+    if body.echo and body.logprobs is not None:
+        raise unsupported("echo", "echo with logprobs needs prompt logprobs, which tokentrail does not compute")
+    prompts = body.prompts()
+    if not prompts:
+        raise ApiError(ErrorCode.validation_error, "prompt must not be empty", param="prompt", status_code=400)
+    if len(prompts) * body.n > _MAX_CHOICES:
+        raise ApiError(
+            ErrorCode.validation_error,
+            f"{len(prompts)} prompts x n={body.n} is more than {_MAX_CHOICES} choices",
+            param="prompt",
+            status_code=400,
+        )
+    top = body.logprobs or 0
+    sampling = sampling_params(body, body.max_tokens or _COMPLETIONS_DEFAULT_MAX_TOKENS, top)
+    echoes: list[str] = []
+    for k, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            echoes.append(prompt)
+        elif not prompt:
+            raise ApiError(ErrorCode.validation_error, "a token prompt must not be empty", param=f"prompt[{k}]")
+        elif body.echo:
+            echoes.append(str((await rpc_call(state, body.model, "detokenize", {"tokens": prompt}))["prompt"]))
+        else:
+            echoes.append("")
+    jobs: list[_Job] = []
+    pending: list[Message] = []
+    for k, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            raw: dict[str, Any] = {"text": prompt, "add_special_tokens": body.add_special_tokens}
+            text, title = prompt, prompt.strip()
+        else:
+            raw, text, title = {"token_ids": prompt}, "", f"token prompt ({len(prompt)} tokens)"
+        _chat, msgs = await store_raw(
+            session, user.id, text=text, raw=raw, title=title, model=body.model, sampling=sampling, n=body.n
+        )
+        jobs += [_Job(k * body.n + i, m.id, echoes[k] if body.echo else "") for i, m in enumerate(msgs)]
+        pending += msgs
+    await enqueue(state, pending)
+    await session.close()  # generation may take minutes; the followers open their own sessions
+    ctx = _CompletionContext(body, f"cmpl-{jobs[0].message_id}", int(time.time()), top)
+    if body.stream:
+        chunks = Merge([ctx.chunks(state, job) for job in jobs])
+        return StreamingResponse(ctx.stream(chunks), media_type="text/event-stream", headers=_STREAM_HEADERS)
+    results = await asyncio.gather(*(collect(state, job.message_id) for job in jobs))
+    return Response(dumps(ctx.body(jobs, results)), media_type="application/json")
+
+
+class _CompletionContext:
+    def __init__(self, body: CompletionRequest, cid: str, created: int, top: int) -> None:
+        self.req = body
+        self.cid = cid
+        self.created = created
+        self.top = top
+        self.prompt_tokens: dict[str, int] = {}  # per prompt (first choice's message id)
+        self.completion_tokens = 0
+
+    def _base(self) -> dict[str, Any]:
+        return {"id": self.cid, "object": "text_completion", "created": self.created, "model": self.req.model}
+
+    def _logprobs(self, ids: list[int], lps: list[float | None], texts: list[str], tops: Any, offset: int) -> Any:
+        if self.req.logprobs is None:
+            return None
+        return _legacy_logprobs(ids, lps, texts, tops, self.top, offset)
+
+    def body(self, jobs: list[_Job], results: list[tuple[Finished, Progress]]) -> dict[str, Any]:
+        choices = []
+        prompt_total = completion_total = cached_total = 0
+        for job, (done, progress) in zip(jobs, results, strict=True):
+            msg, tokens = done.message, done.tokens
+            if msg.state != MessageState.complete.value or tokens is None:
+                raise failure(msg)
+            ids = unpack_ids(tokens.completion_ids)
+            prompt = unpack_ids(tokens.prompt_ids)
+            tops = progress.top_logprobs if len(progress.top_logprobs) == len(ids) else None
+            text = msg.content or ""
+            choices.append(
+                {
+                    "index": job.index,
+                    "text": job.echo + text,
+                    "logprobs": self._logprobs(ids, stored_logprobs(tokens), token_texts(tokens), tops, len(job.echo)),
+                    "finish_reason": msg.finish_reason,
+                    "stop_reason": stop_reason(tokens),
+                    "prompt_token_ids": prompt,
+                    "token_ids": ids,
+                    "tokentrail": tokentrail_info(msg, tokens, forked=False),
+                }
+            )
+            if job.index % self.req.n == 0:  # each prompt counts once
+                prompt_total += len(prompt)
+                cached_total += tokens.num_cached_tokens or 0
+            completion_total += len(ids)
+        return {
+            "id": self.cid,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.req.model,
+            "choices": sorted(choices, key=lambda c: int(c["index"])),
+            "usage": usage(prompt_total, completion_total, cached_total),
+        }
+
+    async def stream(self, chunks: Merge) -> AsyncIterator[bytes]:
+        async for chunk in chunks:
+            yield chunk
+        options = self.req.stream_options
+        if options is not None and options.include_usage:
+            prompt = sum(self.prompt_tokens.values())
+            yield sse({**self._base(), "choices": [], "usage": usage(prompt, self.completion_tokens, None)})
+        yield SSE_DONE
+
+    async def chunks(self, state: AppState, job: _Job) -> AsyncIterator[bytes]:
+        progress = Progress()
+        first = True
+        offset = len(job.echo)
+        async for item in follow(state, job.message_id, progress):
+            if isinstance(item, TokenBatch):
+                text = "".join(item.texts)
+                choice: dict[str, Any] = {
+                    "index": job.index,
+                    "text": (job.echo if first else "") + text,
+                    "logprobs": self._logprobs(item.token_ids, item.logprobs, item.texts, item.top_logprobs, offset),
+                    "finish_reason": None,
+                    "token_ids": item.token_ids,
+                }
+                offset += len(text)
+                if first and progress.prompt_ids is not None:
+                    choice["prompt_token_ids"] = progress.prompt_ids
+                first = False
+                yield sse({**self._base(), "choices": [choice]})
+            elif isinstance(item, StreamReset):
+                yield sse({**self._base(), "choices": [], "tokentrail": {"reset_from": item.from_index}})
+            else:
+                msg, tokens = item.message, item.tokens
+                if msg.state != MessageState.complete.value or tokens is None:
+                    yield error_chunk(msg)
+                    return
+                prompt = unpack_ids(tokens.prompt_ids)
+                if job.index % self.req.n == 0:
+                    self.prompt_tokens[job.message_id] = len(prompt)
+                self.completion_tokens += len(unpack_ids(tokens.completion_ids))
+                end: dict[str, Any] = {
+                    "index": job.index,
+                    "text": job.echo if first else "",
+                    "logprobs": None,
+                    "finish_reason": msg.finish_reason,
+                    "stop_reason": stop_reason(tokens),
+                    "token_ids": [],
+                }
+                if first:
+                    end["prompt_token_ids"] = prompt
+                yield sse({**self._base(), "choices": [end], "tokentrail": tokentrail_info(msg, tokens, forked=False)})
+
+
+# ---- /inference/v1/generate -----------------------------------------------------------------------
+_GENERATE_REFUSED = {
+    "logits_processors": "custom logits processors",
+    "allowed_token_ids": "allowed_token_ids",
+    "bad_words": "bad_words",
+    "structured_outputs": "structured outputs",
+    "guided_decoding": "guided decoding",
+    "truncate_prompt_tokens": "prompt truncation",
+}
+
+
+@router.post("/inference/v1/generate")
+async def generate(body: GenerateRequest, user: CurrentUser, session: SessionDep, state: StateDep) -> Response:
+    """vLLM's tokens-in route: generation from the given token ids, with vLLM's ``sampling_params``."""
+    model = await resolve_model(state, body.model)
+    sp = body.sampling_params
+    extra = sp.model_extra or {}
+    for name, what in _GENERATE_REFUSED.items():
+        if extra.get(name) not in (None, [], {}):
+            raise unsupported(f"sampling_params.{name}", f"{what} are not supported")
+    if sp.prompt_logprobs is not None:
+        raise unsupported("sampling_params.prompt_logprobs", "prompt logprobs are not computed")
+    if sp.min_tokens:
+        raise unsupported("sampling_params.min_tokens", "min_tokens is not supported")
+    if sp.best_of is not None and sp.best_of != sp.n:
+        raise unsupported("sampling_params.best_of", "best_of other than n is not supported; use n")
+    if sp.n > MAX_N:
+        raise ApiError(ErrorCode.validation_error, f"n is at most {MAX_N}", param="sampling_params.n")
+    top = sp.logprobs or 0
+    sampling = sampling_params(sp, sp.max_tokens, top, prefix="sampling_params.")
+    _chat, msgs = await store_raw(
+        session,
+        user.id,
+        text="",
+        raw={"token_ids": body.token_ids},
+        title=f"generate ({len(body.token_ids)} tokens)",
+        model=model,
+        sampling=sampling,
+        n=sp.n,
+    )
+    await enqueue(state, msgs)
+    await session.close()
+    request_id = body.request_id or f"gen-{msgs[0].id}"
+    want_lps = sp.logprobs is not None
+    if body.stream:
+        return StreamingResponse(
+            _generate_stream(state, body, request_id, [m.id for m in msgs], top, want_lps),
+            media_type="text/event-stream",
+            headers=_STREAM_HEADERS,
+        )
+    results = await asyncio.gather(*(collect(state, m.id) for m in msgs))
+    choices = []
+    completion = 0
+    for i, (done, progress) in enumerate(results):
+        msg, tokens = done.message, done.tokens
+        if msg.state != MessageState.complete.value or tokens is None:
+            raise failure(msg)
+        ids = unpack_ids(tokens.completion_ids)
+        completion += len(ids)
+        tops = progress.top_logprobs if len(progress.top_logprobs) == len(ids) else None
+        entries = logprob_entries(ids, stored_logprobs(tokens), token_texts(tokens), tops, top_n=top, as_ids=False)
+        choices.append(
+            {
+                "index": i,
+                "logprobs": {"content": entries} if want_lps else None,
+                "finish_reason": msg.finish_reason,
+                "token_ids": ids,
+                "tokentrail": tokentrail_info(msg, tokens, forked=False),
+            }
+        )
+    first = results[0][0].tokens
+    assert first is not None
+    return Response(
+        dumps(
+            {
+                "request_id": request_id,
+                "choices": choices,
+                "usage": usage(len(body.token_ids), completion, first.num_cached_tokens),
+                "prompt_logprobs": None,
+                "kv_transfer_params": None,
+            }
+        ),
+        media_type="application/json",
+    )
+
+
+async def _generate_stream(
+    state: AppState, body: GenerateRequest, request_id: str, ids: list[str], top: int, want_lps: bool
+) -> AsyncIterator[bytes]:
+    totals = [0]
+
+    async def one(index: int, message_id: str) -> AsyncIterator[bytes]:
+        async for item in follow(state, message_id, Progress()):
+            if isinstance(item, TokenBatch):
+                entries = logprob_entries(
+                    item.token_ids, item.logprobs, item.texts, item.top_logprobs, top_n=top, as_ids=False
+                )
+                choice = {
+                    "index": index,
+                    "logprobs": {"content": entries} if want_lps else None,
+                    "finish_reason": None,
+                    "token_ids": item.token_ids,
+                }
+                yield sse({"request_id": request_id, "choices": [choice]})
+            elif isinstance(item, StreamReset):
+                yield sse({"request_id": request_id, "choices": [], "tokentrail": {"reset_from": item.from_index}})
+            else:
+                msg, tokens = item.message, item.tokens
+                if msg.state != MessageState.complete.value or tokens is None:
+                    yield error_chunk(msg)
+                    return
+                totals[0] += len(unpack_ids(tokens.completion_ids))
+                reason = msg.finish_reason
+                end: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": reason, "token_ids": []}
+                info = tokentrail_info(msg, tokens, forked=False)
+                yield sse({"request_id": request_id, "choices": [end], "tokentrail": info})
+
+    async for chunk in Merge([one(i, mid) for i, mid in enumerate(ids)]):
+        yield chunk
+    if body.stream_options is not None and body.stream_options.include_usage:
+        yield sse({"request_id": request_id, "choices": [], "usage": usage(len(body.token_ids), totals[0], None)})
+    yield SSE_DONE

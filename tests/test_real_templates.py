@@ -239,3 +239,66 @@ def _plain_hf_render(fmt: ChatFormat, template: ZooTemplate) -> str:
         messages, tools=TOOLS, tokenize=False, add_generation_prompt=True, chat_template=template.text
     )
     return text
+
+
+def _runs(mask: list[int]) -> list[tuple[int, int]]:
+    runs, start = [], None
+    for k, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = k
+        elif not m and start is not None:
+            runs.append((start, k))
+            start = None
+    return runs
+
+
+@pytest.mark.parametrize(
+    "name", ["qwen2.5", "llama3.1", "gemma2", "mistral-nemo", "phi4-mini", "granite3.3", "hermes3-tool-use"]
+)
+def test_assistant_mask_covers_each_generated_turn(name: str) -> None:
+    from worker.rpc import render_chat
+
+    fmt = fmt_of(name)
+    replies = ["Sure thing, here it is.", "Second reply with more words."]
+    messages = [
+        {"role": "user", "content": "First question?"},
+        {"role": "assistant", "content": replies[0]},
+        {"role": "user", "content": "Second question?"},
+        {"role": "assistant", "content": replies[1]},
+        {"role": "user", "content": "Third?"},
+    ]
+    out = render_chat(fmt, {"messages": messages, "return_assistant_mask": True})
+    ids, mask = out["tokens"], out["assistant_mask"]
+    assert mask is not None, out.get("assistant_mask_note")
+    runs = _runs(mask)
+    assert len(runs) == 2, runs
+    decode = fmt.tokenizer.decode
+    for (a, b), reply in zip(runs, replies, strict=True):
+        assert reply in decode(ids[a:b]), (name, decode(ids[a:b]))
+        assert "question" not in decode(ids[a:b])
+    # the generated part ends where the model stops: with the stop token when the template writes one
+    stops = set(fmt.stop_token_ids)
+    for a, b in runs:
+        turn_end = next((k for k in range(a, b) if ids[k] in stops), None)
+        assert turn_end is None or turn_end == b - 1
+
+
+def test_assistant_mask_refuses_templates_that_rewrite_earlier_turns() -> None:
+    from worker.rpc import render_chat
+
+    fmt = fmt_of("qwen3")
+    messages = [
+        {"role": "user", "content": "First?"},
+        {"role": "assistant", "content": "One.", "reasoning_content": "think first"},
+        {"role": "user", "content": "Second?"},
+    ]
+    out = render_chat(fmt, {"messages": messages, "return_assistant_mask": True})
+    # Qwen3 drops the earlier turn's reasoning once a user message follows: the tokens the model
+    # generated in that turn are not in this render, so no mask rather than a wrong one
+    assert out["assistant_mask"] is None and "messages[1]" in out["assistant_mask_note"]
+    without = render_chat(
+        fmt, {"messages": messages[:2], "add_generation_prompt": False, "return_assistant_mask": True}
+    )
+    assert without["assistant_mask"] is not None
+    generated = [t for t, m in zip(without["tokens"], without["assistant_mask"], strict=True) if m]
+    assert "think first" in fmt.tokenizer.decode(generated)

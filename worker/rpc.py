@@ -178,28 +178,31 @@ def render_chat(fmt: ChatFormat, params: dict[str, Any]) -> dict[str, Any]:
         ids = wrapped
     out = _result(f, ids, params)
     if params.get("return_assistant_mask"):
-        mask, error = assistant_mask(f, messages, tools, ids[offset:], cont=cont)
+        mask, note = assistant_mask(f, messages, tools, ids[offset:], cont=cont)
         if mask is not None:
             mask = [0] * offset + mask + [0] * (len(ids) - offset - len(mask))
         out["assistant_mask"] = mask
-        if error is not None:
-            out["assistant_mask_error"] = error
+        if note is not None:
+            out["assistant_mask_note"] = note
     return out
 
 
 def assistant_mask(
     fmt: ChatFormat, messages: list[WorkMessage], tools: list[dict[str, Any]] | None, full: list[int], *, cont: bool
 ) -> tuple[list[int] | None, str | None]:
-    """1 for each token the model generates in an assistant turn (its text, reasoning, tool-call
-    markup and end-of-turn token), 0 for the rest.
+    """1 for each token of an assistant turn that the model generates (its text, reasoning, tool-call
+    markup and end-of-turn token), 0 for the rest; and a note where the mask is not exact.
 
-    A turn's tokens are what rendering it adds to the conversation before it with the generation
-    prompt, up to its end-of-turn token. That holds only where the template renders earlier turns the
-    same way once later messages follow; where it does not (Qwen3 drops earlier reasoning), the mask
-    is None and the error names the turn: a mask that guessed would train on the wrong tokens."""
+    A turn starts where rendering it departs from the conversation before it with the generation
+    prompt, and ends with its end-of-turn token. Where the template writes a history turn with
+    another opening than its generation prompt (DeepSeek's ``<think></think>``, gpt-oss's channel),
+    the turn starts where the two renders part, and the note names it. Where the template renders
+    the turn itself differently once later messages follow (Qwen3 drops earlier reasoning), the
+    tokens the model generated are not in this render: the mask is None rather than wrong."""
     mask = [0] * len(full)
     stops = set(fmt.stop_token_ids)
     last = len(messages) - 1
+    parted: list[int] = []
     for i, m in enumerate(messages):
         if m.role != "assistant":
             continue
@@ -208,16 +211,25 @@ def assistant_mask(
             upto = full if (i == last and cont) else _render(fmt, messages[: i + 1], tools, gen=False, cont=False)
         except RenderError as exc:
             return None, f"messages[{i}]: the turn cannot be rendered on its own: {exc}"
-        if upto[: len(before)] != before or full[: len(upto)] != upto:
+        start = next((k for k, (a, b) in enumerate(zip(before, upto, strict=False)) if a != b), len(before))
+        start = min(start, len(upto))
+        if start < len(before):
+            parted.append(i)
+        end = next((k + 1 for k in range(start, len(upto)) if upto[k] in stops), len(upto))
+        # What follows the turn's end-of-turn token (a newline, a template that always appends the
+        # next header) is template text: only the turn itself must render the same in the whole.
+        if full[:end] != upto[:end]:
             return None, (
                 f"messages[{i}]: the chat template renders this assistant turn differently once later "
-                "messages follow, so its generated tokens cannot be located exactly"
+                "messages follow, so the tokens the model generated in it are not in this render"
             )
-        end = len(upto)
-        for k in range(len(before), len(upto)):
-            if upto[k] in stops:
-                end = k + 1
-                break
-        for k in range(len(before), end):
+        for k in range(start, end):
             mask[k] = 1
-    return mask, None
+    note = None
+    if parted:
+        turns = ", ".join(f"messages[{i}]" for i in parted)
+        note = (
+            f"{turns}: the template opens history turns differently from its generation prompt; "
+            "those turns start where the two renders part"
+        )
+    return mask, note

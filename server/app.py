@@ -94,6 +94,10 @@ def create_app(settings: ServerSettings) -> FastAPI:
             settings.resolved_auth_secret(), settings.access_token_minutes, settings.refresh_token_days
         )
         hub = WorkerHub(settings, sessions, queue, directory, streams)
+        if redis is not None:
+            from server.queue.rpc_relay import RedisRpcRelay
+
+            hub.relay = RedisRpcRelay(redis, hub.server_id)
         app.state.tt = AppState(settings, engine, sessions, queue, directory, streams, signer, hub, redis)
         hub.start()
         try:

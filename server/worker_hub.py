@@ -25,6 +25,7 @@ from server.auth import hash_key
 from server.db import SessionFactory
 from server.models import WorkerKey
 from server.queue.protocol import WorkerDirectory, WorkerEntry, WorkItem, WorkQueue
+from server.queue.rpc_relay import RedisRpcRelay, RelayError, RelayTimeout
 from server.settings import ServerSettings
 from server.streams.protocol import StreamConflict, StreamDone, TokenBatch, TokenStreams
 from server.work_store import WorkStore
@@ -88,9 +89,15 @@ class WorkerConnection:
         async with self.send_lock:
             await self.ws.send_text(frame.model_dump_json())
 
-    def entry(self) -> WorkerEntry:
+    def entry(self, server_id: str) -> WorkerEntry:
         h = self.hello
-        return WorkerEntry(self.id, h.model_name, h.compat_hash, h.engine, h.max_context, h.capacity)
+        return WorkerEntry(
+            self.id, h.model_name, h.compat_hash, h.engine, h.max_context, h.capacity, server_id, self.rpc
+        )
+
+    @property
+    def rpc(self) -> bool:
+        return FEATURE_RPC in self.hello.features
 
 
 class WorkerHub:
@@ -111,12 +118,17 @@ class WorkerHub:
         self.connections: dict[str, WorkerConnection] = {}
         self._reaper: asyncio.Task[None] | None = None
         self.server_id = secrets.token_hex(4)
+        self.relay: RedisRpcRelay | None = None  # tokenizer calls to workers of other server processes
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         self._reaper = asyncio.create_task(self._reap_forever(), name="tokentrail-reaper")
+        if self.relay is not None:
+            self.relay.start(self._relayed)
 
     async def stop(self) -> None:
+        if self.relay is not None:
+            await self.relay.stop()
         if self._reaper:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -151,7 +163,7 @@ class WorkerHub:
             return
         conn = WorkerConnection(id=f"w-{self.server_id}-{secrets.token_hex(6)}", hello=hello, ws=ws)
         self.connections[conn.id] = conn
-        await self.directory.register(conn.entry(), ttl_s=self.settings.worker_timeout_s)
+        await self.directory.register(conn.entry(self.server_id), ttl_s=self.settings.worker_timeout_s)
         log.info("worker %s connected: model=%s capacity=%d", conn.id, hello.model_name, hello.capacity)
         try:
             await conn.send(
@@ -219,12 +231,44 @@ class WorkerHub:
     async def call(
         self, model: str, method: RpcMethod, params: dict[str, Any], timeout_s: float = 30.0
     ) -> dict[str, Any]:
-        """Ask a worker of ``model`` connected to this process for tokenizer work (the least busy)."""
-        conns = [
-            c for c in self.connections.values() if c.hello.model_name == model and FEATURE_RPC in c.hello.features
-        ]
+        """Tokenizer work on a worker of ``model``: one connected here (the least busy), else through
+        the relay on a server process that has one."""
+        if any(c.rpc and c.hello.model_name == model for c in self.connections.values()):
+            return await self._call_local(model, method, params, timeout_s)
+        if self.relay is not None:
+            servers = {
+                e.server_id
+                for e in await self.directory.workers()
+                if e.model_name == model and e.rpc and e.server_id and e.server_id != self.server_id
+            }
+            if servers:
+                try:
+                    return await self.relay.request(secrets.choice(sorted(servers)), model, method, params, timeout_s)
+                except RelayTimeout as exc:
+                    raise RpcUnavailable(str(exc)) from exc
+                except RelayError as exc:
+                    if exc.code == ErrorCode.no_worker.value:
+                        raise RpcUnavailable(str(exc)) from exc
+                    raise RpcFailed(exc.code, str(exc)) from exc
+        raise RpcUnavailable(f"no worker that answers tokenizer calls serves {model} now")
+
+    async def _relayed(self, model: str, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        """A call another server process relayed here."""
+        if method not in ("tokenize", "render_chat", "detokenize"):
+            raise RelayError(ErrorCode.bad_request.value, f"unknown method {method!r}")
+        try:
+            return await self._call_local(model, method, params, 30.0)  # type: ignore[arg-type]
+        except RpcUnavailable as exc:
+            raise RelayError(ErrorCode.no_worker.value, str(exc)) from exc
+        except RpcFailed as exc:
+            raise RelayError(exc.code, str(exc)) from exc
+
+    async def _call_local(
+        self, model: str, method: RpcMethod, params: dict[str, Any], timeout_s: float
+    ) -> dict[str, Any]:
+        conns = [c for c in self.connections.values() if c.hello.model_name == model and c.rpc]
         if not conns:
-            raise RpcUnavailable(f"no worker for {model} that answers tokenizer calls is connected to this server")
+            raise RpcUnavailable(f"no worker of {model} that answers tokenizer calls is connected here")
         conn = min(conns, key=lambda c: len(c.inflight) + len(c.calls))
         call_id = secrets.token_hex(8)
         answer: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
@@ -243,7 +287,7 @@ class WorkerHub:
         while True:
             await asyncio.sleep(self.settings.worker_heartbeat_interval_s)
             await conn.send(HeartbeatFrame())
-            await self.directory.register(conn.entry(), ttl_s=self.settings.worker_timeout_s)
+            await self.directory.register(conn.entry(self.server_id), ttl_s=self.settings.worker_timeout_s)
             if conn.inflight:
                 await self.queue.touch([f.item for f in conn.inflight.values()], conn.id)
 

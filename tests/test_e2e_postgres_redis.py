@@ -160,3 +160,26 @@ def test_stored_rows_are_packed_int32(cluster: tuple[str, str], postgres_url: st
     assert len(r["completion_ids"]) == 4 * len(stored["completion_token_ids"])
     assert len(r["logprobs"]) == 4 * len(stored["completion_token_ids"])
     assert int.from_bytes(r["completion_ids"][:4], "little", signed=True) == stored["completion_token_ids"][0]
+
+
+def test_tokenizer_calls_reach_a_worker_of_another_replica(cluster: tuple[str, str]) -> None:
+    """The worker is connected to the first replica; the second relays tokenizer calls through Redis."""
+    a, b = cluster
+    headers = login(a, "pg-tokenize")
+    local = httpx.post(f"{a}/tokenize", json={"model": MODEL, "prompt": "relay me"}, headers=headers)
+    relayed = httpx.post(f"{b}/tokenize", json={"model": MODEL, "prompt": "relay me"}, headers=headers)
+    assert local.status_code == relayed.status_code == 200, relayed.text
+    assert relayed.json()["tokens"] == local.json()["tokens"] and local.json()["tokens"]
+    text = httpx.post(f"{b}/detokenize", json={"tokens": local.json()["tokens"]}, headers=headers).json()
+    assert "relay" in text["prompt"]
+    bad = httpx.post(f"{b}/detokenize", json={"tokens": [10**8]}, headers=headers)
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "bad_request"
+    # a text completion with echo of a token prompt through the other replica
+    done = httpx.post(
+        f"{b}/v1/completions",
+        json={"model": MODEL, "prompt": local.json()["tokens"], "max_tokens": 3, "echo": True},
+        headers=headers,
+        timeout=60,
+    )
+    assert done.status_code == 200, done.text
+    assert done.json()["choices"][0]["text"].startswith(text["prompt"])

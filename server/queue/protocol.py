@@ -34,6 +34,8 @@ class WorkerEntry:
     engine: str
     max_context: int | None
     capacity: int
+    server_id: str = ""  # the server process the worker is connected to
+    rpc: bool = False  # answers tokenizer calls (rpc frames)
 
 
 class WorkQueue(Protocol):

@@ -101,7 +101,7 @@ def test_oa_flow_across_two_servers(cluster: tuple[str, str]) -> None:
     for t in readers:
         t.join(timeout=120)
     stored = httpx.get(f"{a}/chats/{chat_id}/messages/{reply['id']}?include=tokens", headers=headers).json()
-    assert stored["state"] == "complete", stored
+    assert stored["state"] == "complete", (stored.get("error_code"), stored.get("error"), stored)
     for name in ("a", "b"):
         evs = results[name]
         assert evs[-1]["event_type"] == "message", evs[-3:]

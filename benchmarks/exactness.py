@@ -60,7 +60,10 @@ TFLA teacher-forced logprob agreement: stitch: each merged sample's final sequen
      prompt + completion) is re-scored with the same model in one fp32 forward pass on CPU; every turn
      of the sample compares its stored logprobs with the re-scored ones at its completion positions,
      processed with that turn's sampling parameters (``worker.sampling.teacher_forced_logprobs``:
-     repetition penalty, temperature, top-k, top-p). naive: the sample is the text render of the whole
+     repetition penalty, temperature, top-k, top-p). A position where the turn's top-k cut falls on
+     a near-tie (k-th and (k+1)-th scores within 1e-5) and the logprobs differ is left out and
+     counted ("top-k cut ties"): fp rounding alone decides whether the tied token is kept, which
+     moves the logprob by its share of the mass. naive: the sample is the text render of the whole
      final conversation (one per conversation); turn i's positions start after P (if the render starts
      with P) and its engine tokens are aligned with the render's tokens of that turn; positions up to
      the first differing token are re-scored and compared, every later generated position (or all of
@@ -70,7 +73,10 @@ BF   bridge fidelity failure (stitch only; "-" for naive): share of stitched tur
      did not fork) whose bridge — stored prompt minus the reused prefix minus the synthetic closer —
      differs from the template's own rendering of the new messages: the tokens of render(history + new,
      generation prompt) after the prior assistant turn's closer, computed here from the real history
-     (not the worker's dummy base conversation). Reported beside it: synthetic closer mismatches —
+     (not the worker's dummy base conversation; where a history text holds a control string that the
+     template interprets, such as a </think> the model wrote without opening reasoning, from that
+     history with the control strings taken out of its texts, since the bridge does not depend on
+     them). Reported beside it: synthetic closer mismatches —
      a closer added although the prior turn closed itself, missing although it did not (cut by
      max_new_tokens or stopped on a non-closer token), or other than the template's closer for it.
 FBR  full-render fallback rate: share of later turns (not the first of a conversation) whose prompt
@@ -94,6 +100,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -131,6 +138,7 @@ from benchmarks.exactness_metrics import (
     samples_per_rollout,
     share,
     tokens_exact,
+    top_k_cut_tied,
     turn_closed,
     turn_end,
 )
@@ -726,6 +734,24 @@ class Scorer:
         values: list[float] = gather_logprobs(rows, list(seq[prompt_len:end])).tolist()
         return values
 
+    def cut_tied(
+        self, logits: Any, seq: Sequence[int], prompt_len: int, n: int, sampling: dict[str, Any]
+    ) -> list[bool]:
+        """Per completion position: does the turn's top-k cut fall on a near-tie of the scores
+        (repetition penalty and temperature applied, no filter)?"""
+        from worker.sampling import is_greedy, teacher_forced_logprobs
+
+        params = _params(sampling)
+        top_k = params.top_k
+        if n == 0 or not top_k or is_greedy(params):
+            return [False] * n
+        unfiltered = dataclasses.replace(params, top_k=None, top_p=None, typical_p=None, min_p=None)
+        end = prompt_len + n
+        rows = teacher_forced_logprobs(logits[:end], list(seq[:end]), prompt_len, unfiltered)
+        k = min(top_k + 1, rows.shape[-1])
+        best = self.torch.topk(rows, k, dim=-1).values.tolist()
+        return [top_k_cut_tied(row, top_k) for row in best]
+
 
 @dataclass
 class ArmReport:
@@ -754,6 +780,7 @@ class ArmReport:
             "TFLA_share": self.tfla.share,
             "TFLA_max_abs_delta": self.tfla.max_delta,
             "TFLA_counts": [self.tfla.disagreements, self.tfla.positions],
+            "TFLA_cut_ties": self.tfla.cut_ties,
             "BF": share(*self.bf) if self.bf else None,
             "BF_counts": list(self.bf) if self.bf else None,
             "closer_mismatches": list(self.closer) if self.closer else None,
@@ -969,7 +996,11 @@ class Evaluator:
                 t = turns[k]
                 rescored = self.scorer.rescored(logits, seq, len(t.prompt), len(t.completion), t.sampling)
                 # the merge guarantees seq extends this turn's prompt + completion
-                total += agreement(logprob_deltas(t.logprobs, rescored))
+                deltas = logprob_deltas(t.logprobs, rescored)
+                tied = None
+                if any(d > TFLA_TOLERANCE for d in deltas):
+                    tied = self.scorer.cut_tied(logits, seq, len(t.prompt), len(t.completion), t.sampling)
+                total += agreement(deltas, tied=tied)
         return total
 
     def _tfla_naive(self, conv: Conversation) -> Agreement:
@@ -990,6 +1021,31 @@ class Evaluator:
             total += agreement(deltas)
         return total
 
+    def _without_controls(
+        self, conv: Conversation, at: int, prior_at: int
+    ) -> tuple[Reference | None, list[int] | None, list[int] | None]:
+        """(full, history, before) renders of ``conv`` with control-token strings removed from the texts
+        of the history (messages up to the prior assistant turn)."""
+        controls = self.fmt.control_strings
+
+        def clean(text: str | None) -> str | None:
+            for c in controls:
+                text = text.replace(c, "") if text else text
+            return text
+
+        # only the history: the new messages are what the bridge renders
+        messages = [
+            m.model_copy(update={"content": clean(m.content) or "", "reasoning_content": clean(m.reasoning_content)})
+            if i <= prior_at
+            else m
+            for i, m in enumerate(conv.messages)
+        ]
+        tools = conv.script.tools
+        full = reference_render(self.fmt, messages[:at], tools, True)
+        history = reference_render(self.fmt, messages[: prior_at + 1], tools, False)
+        before = reference_render(self.fmt, messages[:prior_at], tools, True)
+        return full, history.ids if history else None, before.ids if before else None
+
     def _bridges(self, report: ArmReport, conv: Conversation) -> tuple[int, int, int]:
         """(bridge failures, closer mismatches, stitched turns) of one stitch-arm conversation."""
         bf = closer = stitched = 0
@@ -1002,6 +1058,12 @@ class Evaluator:
             full = self.reference(conv, t.at, True)
             history = self.render(conv, prior.at + 1, False)
             before = self.render(conv, prior.at, True)
+            if full is None or history is None:
+                # A text of the history holds a control string that the template interprets (a
+                # </think> the model wrote without opening reasoning): the texts cannot be isolated.
+                # The bridge (closer, new messages, generation prompt) does not depend on them, so it
+                # is measured on the same conversation with control strings taken out of its texts.
+                full, history, before = self._without_controls(conv, t.at, prior.at)
             expected = None
             if full is not None and history is not None:
                 anchor = full.text_end(prior.at)
@@ -1101,6 +1163,7 @@ def print_table(config: dict[str, Any], reports: dict[str, ArmReport]) -> None:
             _ratio(n["TFLA_share"], n["TFLA_counts"]),
         ),
         ("TFLA max |delta|", _delta(s["TFLA_max_abs_delta"]), _delta(n["TFLA_max_abs_delta"])),
+        ("     top-k cut ties left out", str(s["TFLA_cut_ties"]), str(n["TFLA_cut_ties"])),
         ("BF   bridge fidelity failure", _ratio(s["BF"], s["BF_counts"]), "-"),
         ("     synthetic closer mismatch", _ratio(share(*s["closer_mismatches"]), s["closer_mismatches"]), "-"),
         ("FBR  full-render fallback rate", _ratio(s["FBR"], s["FBR_counts"]), f"{n['FBR']:.3f} (by construction)"),

@@ -219,6 +219,7 @@ class Agreement:
     positions: int = 0
     disagreements: int = 0  # positions with |delta| > tolerance
     max_delta: float = 0.0
+    cut_ties: int = 0  # positions left out: the top-k cut fell on a near-tie (see ``top_k_cut_tied``)
 
     @property
     def share(self) -> float | None:
@@ -229,12 +230,36 @@ class Agreement:
             self.positions + other.positions,
             self.disagreements + other.disagreements,
             max(self.max_delta, other.max_delta),
+            self.cut_ties + other.cut_ties,
         )
 
 
-def agreement(deltas: Iterable[float], tolerance: float = TFLA_TOLERANCE) -> Agreement:
+def agreement(
+    deltas: Iterable[float], tolerance: float = TFLA_TOLERANCE, tied: Sequence[bool] | None = None
+) -> Agreement:
+    """Agreement of the deltas; a position marked in ``tied`` whose delta exceeds the tolerance is
+    counted as a cut tie instead of a disagreement (and left out of the positions)."""
     values = list(deltas)
-    return Agreement(len(values), sum(1 for d in values if d > tolerance), max(values, default=0.0))
+    ties = 0
+    if tied is not None:
+        kept = [d for d, t in zip(values, tied, strict=True) if not (t and d > tolerance)]
+        ties, values = len(values) - len(kept), kept
+    return Agreement(len(values), sum(1 for d in values if d > tolerance), max(values, default=0.0), ties)
+
+
+# Logits closer than this sit on a tie for the top-k cut: which side a token falls on is decided by
+# the rounding of the kernel that computed them (the engine's batched pass or the re-scoring pass).
+CUT_TIE_EPSILON = 1e-5
+
+
+def top_k_cut_tied(sorted_scores: Sequence[float], top_k: int | None, epsilon: float = CUT_TIE_EPSILON) -> bool:
+    """Do the k-th and (k+1)-th largest scores of a position (sorted descending) tie within
+    ``epsilon``? Then a top-k cut keeps one more or one fewer token depending on fp rounding alone,
+    and the sampled token's logprob moves by that token's share of the mass (a discontinuity that no
+    tolerance on the logits themselves covers)."""
+    if not top_k or top_k <= 0 or top_k >= len(sorted_scores):
+        return False
+    return abs(sorted_scores[top_k - 1] - sorted_scores[top_k]) <= epsilon
 
 
 def share(numerator: int, denominator: int) -> float | None:

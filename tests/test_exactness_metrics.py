@@ -200,3 +200,15 @@ def test_prefix_cache_is_none_without_counts_and_empty_without_later_turns() -> 
     empty = prefix_cache([[([1, 2], [3], 0)]], block=16)
     assert empty == PrefixCache()
     assert empty.served is None and empty.ideal_served is None and empty.mean_prompt_share is None
+
+
+def test_top_k_cut_ties_are_left_out_of_tfla_not_hidden() -> None:
+    from benchmarks.exactness_metrics import top_k_cut_tied
+
+    scores = [9.0, 8.0, 7.4365735, 7.4365730, 7.0]
+    assert top_k_cut_tied(scores, 3)  # the 3rd and 4th tie within 1e-5
+    assert not top_k_cut_tied(scores, 2) and not top_k_cut_tied(scores, None) and not top_k_cut_tied(scores, 5)
+    # a tied position that disagrees is counted as a tie; a tied one that agrees stays a position;
+    # an untied disagreement stays a disagreement
+    summary = agreement([0.0157, 1e-6, 0.3], tied=[True, True, False])
+    assert summary == Agreement(positions=2, disagreements=1, max_delta=0.3, cut_ties=1)

@@ -102,6 +102,15 @@ def test_tokenize_and_detokenize_answered_by_the_worker(embedded_stack: str, use
         {"messages": messages[1:3], "chat_template": override, "chat_template_kwargs": {"sep": "|"}},
     )
     assert tokenizer.decode(custom["tokens"]) == "what is <|im_end|> 2+2?|four|"
+    # documents reach the template; tools render in the model's own template
+    docs = "{% for d in documents %}[{{ d.title }}]{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    with_docs = post(
+        url, key, "/tokenize", {"messages": messages[1:2], "chat_template": docs, "documents": [{"title": "Doc A"}]}
+    )
+    assert tokenizer.decode(with_docs["tokens"]) == "[Doc A]what is <|im_end|> 2+2?"
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
+    with_tools = post(url, key, "/tokenize", {"messages": messages[1:2], "tools": [tool]})
+    assert '"name": "lookup"' in tokenizer.decode(with_tools["tokens"])
     # errors: a clear code and the right status, in OpenAI's shape
     err = post(url, key, "/tokenize", {"model": MODEL}, status=400)["error"]
     assert err["code"] == "validation_error"

@@ -178,12 +178,17 @@ class WorkerHub:
                 beat.cancel()
         except* (WebSocketDisconnect, RuntimeError, ConnectionError) as eg:
             log.info("worker %s disconnected: %s", conn.id, eg.exceptions[0])
+        except* Exception as eg:  # a bug, not a transient fault (those are retried in the loops)
+            log.error("worker %s session failed", conn.id, exc_info=eg.exceptions[0])
         finally:
             self.connections.pop(conn.id, None)
             for call in conn.calls.values():
                 if not call.done():
                     call.set_exception(RpcUnavailable(f"worker {conn.id} went away"))
-            await self.directory.unregister(conn.id)
+            try:
+                await self.directory.unregister(conn.id)
+            except Exception as exc:  # the entry expires on its own
+                log.warning("could not unregister worker %s: %s", conn.id, exc)
             await asyncio.shield(self._recover_all(conn))
 
     async def _valid_key(self, key: str) -> bool:
@@ -213,12 +218,8 @@ class WorkerHub:
             if isinstance(frame, CreditFrame):
                 conn.credits += frame.credits
                 conn.credit_event.set()
-            elif isinstance(frame, TokensFrame):
-                await self._on_tokens(conn, frame)
-            elif isinstance(frame, FinishedFrame):
-                await self._on_finished(conn, frame)
-            elif isinstance(frame, FailedFrame):
-                await self._on_failed(conn, frame)
+            elif isinstance(frame, TokensFrame | FinishedFrame | FailedFrame):
+                await self._handle(conn, frame)
             elif isinstance(frame, RpcResultFrame):
                 call = conn.calls.get(frame.id)
                 if call is not None and not call.done():
@@ -226,6 +227,25 @@ class WorkerHub:
                         call.set_result(frame.result)
                     else:
                         call.set_exception(RpcFailed(frame.code or "engine_error", frame.message or "rpc failed"))
+
+    async def _handle(self, conn: WorkerConnection, frame: TokensFrame | FinishedFrame | FailedFrame) -> None:
+        """One message frame. A transient failure (Redis or the database briefly away) costs that
+        frame, never the session: tokens not appended are appended from the finished record (the
+        stream position does not advance), and a message whose end could not be stored is requeued."""
+        try:
+            if isinstance(frame, TokensFrame):
+                await self._on_tokens(conn, frame)
+            elif isinstance(frame, FinishedFrame):
+                await self._on_finished(conn, frame)
+            else:
+                await self._on_failed(conn, frame)
+        except Exception as exc:
+            log.warning("worker %s: handling %s of %s failed: %s", conn.id, frame.type, frame.message_id, exc)
+            if isinstance(frame, FinishedFrame | FailedFrame):
+                inflight = conn.inflight.pop(frame.message_id, None)
+                if inflight is not None:
+                    with contextlib.suppress(Exception):  # else the reaper reclaims it
+                        await self._requeue(inflight.item)
 
     # ---- tokenizer calls ---------------------------------------------------------------------
     async def call(
@@ -287,19 +307,30 @@ class WorkerHub:
         while True:
             await asyncio.sleep(self.settings.worker_heartbeat_interval_s)
             await conn.send(HeartbeatFrame())
-            await self.directory.register(conn.entry(self.server_id), ttl_s=self.settings.worker_timeout_s)
-            if conn.inflight:
-                await self.queue.touch([f.item for f in conn.inflight.values()], conn.id)
+            try:
+                await self.directory.register(conn.entry(self.server_id), ttl_s=self.settings.worker_timeout_s)
+                if conn.inflight:
+                    await self.queue.touch([f.item for f in conn.inflight.values()], conn.id)
+            except Exception as exc:  # refreshed at the next beat; entries outlive several beats
+                log.warning("worker %s: heartbeat bookkeeping failed: %s", conn.id, exc)
 
     # ---- dispatch --------------------------------------------------------------------------
     async def _dispatch_loop(self, conn: WorkerConnection) -> None:
         model = conn.hello.model_name
+        backoff = 0.0
         while True:
             if conn.credits <= 0:
                 conn.credit_event.clear()
                 await conn.credit_event.wait()
                 continue
-            items = await self.queue.claim(model, conn.id, conn.credits, timeout_s=1.0)
+            try:
+                items = await self.queue.claim(model, conn.id, conn.credits, timeout_s=1.0)
+                backoff = 0.0
+            except Exception as exc:  # a slow or restarting Redis: wait and claim again
+                backoff = min(max(backoff * 2, 0.1), 2.0)
+                log.warning("worker %s: claiming work failed (%s); retrying in %.1fs", conn.id, exc, backoff)
+                await asyncio.sleep(backoff)
+                continue
             for item in items:
                 if item.message_id in conn.inflight:  # a duplicate delivery of work we hold
                     await self.queue.ack(item)
@@ -309,7 +340,18 @@ class WorkerHub:
                 conn.credits -= 1
             for item in items:
                 inflight = conn.inflight.get(item.message_id)
-                if inflight is not None and inflight.item is item and not await self._dispatch(conn, inflight):
+                if inflight is None or inflight.item is not item:
+                    continue
+                try:
+                    sent = await self._dispatch(conn, inflight)
+                except (WebSocketDisconnect, RuntimeError, ConnectionError):
+                    raise  # the worker is gone: recovery requeues what it held
+                except Exception as exc:
+                    log.warning("worker %s: dispatching %s failed: %s", conn.id, item.message_id, exc)
+                    sent = False
+                    with contextlib.suppress(Exception):  # else the reaper reclaims it
+                        await self._requeue(item)
+                if not sent:
                     conn.inflight.pop(item.message_id, None)
                     conn.credits += 1
 
@@ -451,7 +493,10 @@ class WorkerHub:
     async def _recover_all(self, conn: WorkerConnection) -> None:
         for inflight in list(conn.inflight.values()):
             log.warning("worker %s lost while generating %s: requeueing", conn.id, inflight.item.message_id)
-            await self._requeue(inflight.item)
+            try:
+                await self._requeue(inflight.item)
+            except Exception as exc:  # Redis or the database away: the reaper reclaims it later
+                log.warning("could not requeue %s: %s", inflight.item.message_id, exc)
         conn.inflight.clear()
 
     async def _reap_forever(self) -> None:

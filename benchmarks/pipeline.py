@@ -1,0 +1,662 @@
+"""What tokentrail's pipeline costs on top of its engine: the same model, prompt, sampling and
+concurrency for every arm, closed loop, one run.
+
+    python benchmarks/pipeline.py [--engine hf|vllm] [--concurrency 1,8,32] [--tokens 64] [--duration 20]
+                                  [--arms engine,embedded,redis,vllm-serve] [--json] [--plot FILE.png]
+    python benchmarks/pipeline.py --ceiling [--concurrency 32] [--readers 4] [--duration 10]
+
+Arms (each a fresh process tree, so CPU time is attributed exactly):
+
+- ``engine``: the engine alone, in a process of its own: ``c`` tasks call ``engine.generate`` in a loop;
+- ``embedded``: tokentrail end to end on embedded defaults (SQLite, in-process queue and streams): a
+  server process and a worker process; ``c`` clients each post a prompter message and an assistant
+  message and read its SSE events until the final one, in a loop;
+- ``redis``: the same on PostgreSQL + Redis (a fresh database, dropped afterwards; Redis on its own
+  database number, see ``tests/services.py``);
+- ``vllm-serve`` (``--engine vllm``): ``vllm serve`` on the same model streaming chat completions.
+
+Every request generates exactly ``--tokens`` tokens (end tokens ignored) at temperature 1. Printed per
+arm and concurrency: tokens/s delivered to clients, TTFT p50/p99 (request sent to first token
+received), inter-token gap p50/p99, CPU ms per token of the server and the worker process trees (the
+engine arm: its process), and the ratios tokentrail / engine alone (and / ``vllm serve``).
+
+``--ceiling`` measures the pipeline without a model: a benchmark-only synthetic engine (in a worker
+process started by this script; not part of tokentrail) emits tokens as fast as the pipeline takes
+them, ``--readers`` SSE readers follow each message; printed: token events/s the server process fans
+out to readers, tokens/s the worker forwards, CPU per event and per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.exactness import _spawn, _stop, _wait_ready, prepare_model, vllm_python
+
+MODEL = "tiny"
+PROMPT = "Tell me a long story about a lighthouse keeper and the storm that changed the town."
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+# ---- measurements ---------------------------------------------------------------------------------
+@dataclass
+class Point:
+    """One arm at one concurrency: what the clients saw, and the CPU the processes spent."""
+
+    arm: str
+    concurrency: int
+    wall_s: float = 0.0
+    tokens: int = 0
+    requests: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    gaps_s: list[float] = field(default_factory=list)
+    cpu_s: dict[str, float] = field(default_factory=dict)  # process tree -> CPU seconds in the window
+
+    def summary(self) -> dict[str, Any]:
+        per_token = {f"{k}_cpu_ms_per_token": _r(1000 * v / self.tokens, 3) for k, v in self.cpu_s.items()}
+        return {
+            "arm": self.arm,
+            "concurrency": self.concurrency,
+            "tokens_per_s": _r(self.tokens / self.wall_s if self.wall_s else 0.0, 1),
+            "requests": self.requests,
+            "ttft_p50_ms": _ms(_pct(self.ttft_s, 0.5)),
+            "ttft_p99_ms": _ms(_pct(self.ttft_s, 0.99)),
+            "itl_p50_ms": _ms(_pct(self.gaps_s, 0.5)),
+            "itl_p99_ms": _ms(_pct(self.gaps_s, 0.99)),
+            **(per_token if self.tokens else {}),
+        }
+
+
+def _r(x: float, n: int) -> float:
+    return round(x, n)
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(1000 * x, 2)
+
+
+def _pct(xs: Sequence[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of a process and all its descendants, from /proc."""
+    children: dict[int, list[int]] = {}
+    times: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        p = int(entry)
+        children.setdefault(int(fields[1]), []).append(p)
+        times[p] = (int(fields[11]) + int(fields[12])) / CLK_TCK
+    total, stack = 0.0, [pid]
+    while stack:
+        p = stack.pop()
+        total += times.get(p, 0.0)
+        stack += children.get(p, [])
+    return total
+
+
+class Window:
+    """The measured window of one point: tokens count only while it is open."""
+
+    def __init__(self, duration_s: float) -> None:
+        self.start = time.perf_counter()
+        self.end = self.start + duration_s
+
+    @property
+    def open(self) -> bool:
+        return time.perf_counter() < self.end
+
+
+# ---- the engine alone -----------------------------------------------------------------------------
+async def engine_points(
+    engine_name: str, model_dir: str, prompt_ids: list[int], levels: list[int], tokens: int, duration: float
+) -> list[Point]:
+    from worker.engines.contract import GenerationParams
+
+    engine: Any
+    if engine_name == "vllm":
+        from worker.engines.vllm import VLLMEngine
+
+        engine = VLLMEngine(model_dir, max_model_len=2048, gpu_memory_utilization=0.2, max_num_seqs=max(levels))
+    else:
+        from worker.engines.hf import HFEngine
+
+        engine = HFEngine(model_dir, max_batch_size=max(levels))
+    await engine.start()
+    counter = 0
+
+    async def one(point: Point, window: Window, seed: int) -> None:
+        nonlocal counter
+        counter += 1
+        params = GenerationParams(max_new_tokens=tokens, temperature=1.0, seed=seed, stop_token_ids=())
+        sent = last = time.perf_counter()
+        first = True
+        async for step in engine.generate(f"bench-{counter}", prompt_ids, params):
+            now = time.perf_counter()
+            if not window.open:
+                continue
+            if first:
+                point.ttft_s.append(now - sent)
+                first = False
+            else:
+                point.gaps_s.append(now - last)
+                point.gaps_s += [0.0] * (len(step.token_ids) - 1)
+            last = now
+            point.tokens += len(step.token_ids)
+        if window.open:
+            point.requests += 1
+
+    points = []
+    try:
+        await _closed_loop(Point("engine", 1), Window(1e9), 1, one, requests=1)  # warm-up
+        for c in levels:
+            point = Point("engine", c)
+            cpu0 = time.process_time()
+            await _closed_loop(point, Window(duration), c, one)
+            point.cpu_s["engine"] = time.process_time() - cpu0
+            points.append(point)
+    finally:
+        with contextlib.suppress(Exception):
+            await engine.stop()
+    return points
+
+
+async def _closed_loop(point: Point, window: Window, c: int, one: Any, requests: int | None = None) -> None:
+    """``c`` clients, each starting its next request when the last one ends, until the window closes
+    (or ``requests`` in all); the point's wall time is the window's."""
+    seeds = iter(range(10**9))
+    left = [requests]
+
+    async def client() -> None:
+        while window.open and (left[0] is None or left[0] > 0):
+            if left[0] is not None:
+                left[0] -= 1
+            await one(point, window, next(seeds))
+
+    await asyncio.gather(*(client() for _ in range(c)))
+    point.wall_s = min(time.perf_counter(), window.end) - window.start
+
+
+# ---- tokentrail over HTTP + SSE -------------------------------------------------------------------
+async def _sse(client: httpx.AsyncClient, path: str) -> AsyncIterator[dict[str, Any]]:
+    async with client.stream("GET", path, headers={"Accept": "text/event-stream"}) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if line.startswith("data:"):
+                yield json.loads(line[5:])
+
+
+async def tokentrail_points(
+    arm: str, url: str, pids: dict[str, int], levels: list[int], tokens: int, duration: float, readers: int = 1
+) -> list[Point]:
+    limits = httpx.Limits(max_connections=max(levels) * (readers + 2) + 8, max_keepalive_connections=None)
+    timeout = httpx.Timeout(60, read=600)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
+        pair = (await client.get("/auth/callback/debug", params={"code": "bench"})).json()
+        client.headers["Authorization"] = f"Bearer {pair['access_token']['access_token']}"
+        chats: dict[int, str] = {}
+
+        async def one(point: Point, window: Window, seed: int) -> None:
+            slot = seed % max(levels)
+            if slot not in chats:
+                chats[slot] = (await client.post("/chats", json={})).json()["id"]
+            chat = chats[slot]
+            prompt = (
+                await client.post(f"/chats/{chat}/prompter_message", json={"parent_id": None, "content": PROMPT})
+            ).json()
+            sent = time.perf_counter()
+            reply = await client.post(
+                f"/chats/{chat}/assistant_message",
+                json={
+                    "parent_id": prompt["id"],
+                    "model_config_name": MODEL,
+                    "sampling_parameters": {
+                        "max_new_tokens": tokens,
+                        "temperature": 1.0,
+                        "seed": seed,
+                        "ignore_eos": True,
+                    },
+                },
+            )
+            reply.raise_for_status()
+            path = f"/chats/{chat}/messages/{reply.json()['id']}/events"
+
+            async def read(counting: bool) -> None:
+                first, last = True, sent
+                async for ev in _sse(client, path):
+                    kind = ev.get("event_type")
+                    if kind == "token":
+                        now = time.perf_counter()
+                        if not (counting and window.open):
+                            continue
+                        if first:
+                            point.ttft_s.append(now - sent)
+                            first = False
+                        else:
+                            point.gaps_s.append(now - last)
+                        last = now
+                        point.tokens += 1
+                    elif kind in ("message", "error"):
+                        if kind == "error":
+                            raise RuntimeError(f"generation failed: {ev}")
+                        return
+
+            await asyncio.gather(*(read(k == 0 or readers > 1) for k in range(readers)))
+            if window.open:
+                point.requests += 1
+
+        points = []
+        await _closed_loop(Point(arm, 1), Window(1e9), 1, one, requests=2)  # warm-up
+        for c in levels:
+            point = Point(arm, c)
+            before = {name: tree_cpu_s(pid) for name, pid in pids.items()}
+            await _closed_loop(point, Window(duration), c, one)
+            point.cpu_s = {name: tree_cpu_s(pid) - before[name] for name, pid in pids.items()}
+            points.append(point)
+            _say(f"  {arm} c={c}: {point.summary()['tokens_per_s']} tok/s")
+        return points
+
+
+@contextlib.contextmanager
+def tokentrail_stack(
+    work: Path,
+    model_dir: str,
+    max_parallel: int,
+    engine: str,
+    env: dict[str, str] | None = None,
+    worker_cmd: list[str] | None = None,
+) -> Iterator[tuple[str, dict[str, int]]]:
+    """A server process and a worker process; yields (URL, {"server": pid, "worker": pid})."""
+    from server.admin import issue_worker_key
+    from server.settings import ServerSettings
+    from tokentrail.launcher import free_port
+
+    data = work / "data"
+    data.mkdir(exist_ok=True)
+    env = {"TOKENTRAIL_DATA_DIR": str(data), "TOKENTRAIL_ALLOW_DEBUG_AUTH": "true", **(env or {})}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        if "TOKENTRAIL_DATABASE_URL" in env:
+            up = _spawn(["db", "upgrade"], work / "upgrade.log")
+            if up.wait(timeout=300) != 0:
+                raise RuntimeError((work / "upgrade.log").read_text()[-3000:])
+        key = issue_worker_key(ServerSettings(migrate_on_start=True), "pipeline")
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        server = _spawn(["serve", "--port", str(port), "--log-level", "warning"], work / "server.log")
+        procs = {"server": server}
+        try:
+            _wait_ready(url, procs, work, [])
+            if worker_cmd is not None:
+                worker = subprocess.Popen(
+                    [*worker_cmd, "--server-url", url, "--api-key", key],
+                    stdout=open(work / "worker.log", "wb"),  # noqa: SIM115
+                    stderr=subprocess.STDOUT,
+                )
+            else:
+                python, extra, args = None, None, []
+                if engine == "vllm":
+                    python, extra = vllm_python(), {"VLLM_CPU_KVCACHE_SPACE": "1"}
+                    args = ["--max-model-len", "2048", "--gpu-memory-utilization", "0.2"]
+                worker = _spawn(
+                    ["worker", "--server-url", url, "--api-key", key, "--model", model_dir, "--served-model-name",
+                     MODEL, "--max-parallel", str(max_parallel), "--engine", engine, "--log-level", "warning", *args],
+                    work / "worker.log",
+                    python=python,
+                    extra_env=extra,
+                )  # fmt: skip
+            procs["worker"] = worker
+            _wait_ready(url, procs, work, [MODEL], 600 if engine == "vllm" else 180)
+            yield url, {name: p.pid for name, p in procs.items()}
+        finally:
+            for p in reversed(procs.values()):
+                _stop(p)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# ---- vllm serve -----------------------------------------------------------------------------------
+async def vllm_serve_points(url: str, pid: int, levels: list[int], tokens: int, duration: float) -> list[Point]:
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(60, read=600)) as client:
+
+        async def one(point: Point, window: Window, seed: int) -> None:
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": PROMPT}],
+                "max_tokens": tokens,
+                "temperature": 1.0,
+                "seed": seed,
+                "ignore_eos": True,
+                "stream": True,
+                "return_token_ids": True,
+            }
+            sent = last = time.perf_counter()
+            first = True
+            async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+                resp.raise_for_status()
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[5:])
+                    n = sum(len(c.get("token_ids") or []) for c in chunk.get("choices", []))
+                    now = time.perf_counter()
+                    if not n or not window.open:
+                        continue
+                    if first:
+                        point.ttft_s.append(now - sent)
+                        first = False
+                    else:
+                        point.gaps_s.append(now - last)
+                    point.gaps_s += [0.0] * (n - 1)
+                    last = now
+                    point.tokens += n
+            if window.open:
+                point.requests += 1
+
+        points = []
+        await _closed_loop(Point("vllm-serve", 1), Window(1e9), 1, one, requests=1)
+        for c in levels:
+            point = Point("vllm-serve", c)
+            cpu0 = tree_cpu_s(pid)
+            await _closed_loop(point, Window(duration), c, one)
+            point.cpu_s = {"vllm_serve": tree_cpu_s(pid) - cpu0}
+            points.append(point)
+        return points
+
+
+@contextlib.contextmanager
+def vllm_serve(work: Path, model_dir: str, max_seqs: int) -> Iterator[tuple[str, int]]:
+    from tokentrail.launcher import free_port
+
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+           "--served-model-name", MODEL, "--port", str(port), "--max-model-len", "2048",
+           "--max-num-seqs", str(max_seqs), "--gpu-memory-utilization", "0.2"]  # fmt: skip
+    with open(work / "vllm-serve.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError((work / "vllm-serve.log").read_text()[-3000:])
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(1)
+        yield url, proc.pid
+    finally:
+        _stop(proc)
+
+
+# ---- the synthetic engine (benchmark only) --------------------------------------------------------
+class SyntheticEngine:
+    """Benchmark-only stand-in for a model: emits ordinary token ids as fast as the pipeline takes
+    them (one per step), so that what limits the run is tokentrail's own path."""
+
+    def __init__(self, vocab_ids: list[int], max_context: int = 1 << 20) -> None:
+        from worker.engines.contract import EngineInfo
+
+        self.info = EngineInfo(name="synthetic", max_context=max_context)
+        self.ids = vocab_ids
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    async def abort(self, request_id: str) -> None:
+        return None
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: Any) -> AsyncIterator[Any]:
+        from worker.engines.contract import TokenStep
+
+        n = params.max_new_tokens
+        for i in range(n):
+            last = i == n - 1
+            yield TokenStep(
+                token_ids=[self.ids[i % len(self.ids)]],
+                logprobs=[-1.0],
+                finish_reason="length" if last else None,
+                prompt_token_ids=list(prompt_ids) if i == 0 else None,
+            )
+            await asyncio.sleep(0)
+
+
+def run_synthetic_worker(server_url: str, api_key: str, model_dir: str, capacity: int) -> None:
+    from worker.chat_format import ChatFormat
+    from worker.client import WorkerClient, WorkerOptions
+
+    fmt = ChatFormat.load(model_dir)
+    specials = fmt.special_ids
+    ids = [i for i in range(200, 400) if i not in specials]
+    client = WorkerClient(WorkerOptions(server_url, api_key, MODEL, max_parallel=capacity), SyntheticEngine(ids), fmt)
+    asyncio.run(client.run_forever())
+
+
+# ---- report ---------------------------------------------------------------------------------------
+def ratios(points: list[Point]) -> list[dict[str, Any]]:
+    by = {(p.arm, p.concurrency): p.summary() for p in points}
+    out = []
+    for (arm, c), s in by.items():
+        if arm in ("engine", "vllm-serve"):
+            continue
+        row: dict[str, Any] = {"arm": arm, "concurrency": c}
+        base = by.get(("engine", c))
+        if base and base["tokens_per_s"]:
+            row["x_engine"] = round(s["tokens_per_s"] / base["tokens_per_s"], 3)
+            if s["ttft_p50_ms"] is not None and base["ttft_p50_ms"] is not None:
+                row["added_ttft_p50_ms"] = round(s["ttft_p50_ms"] - base["ttft_p50_ms"], 2)
+                row["added_ttft_p99_ms"] = round((s["ttft_p99_ms"] or 0) - (base["ttft_p99_ms"] or 0), 2)
+            engine_cpu = base.get("engine_cpu_ms_per_token")
+            if engine_cpu is not None and "worker_cpu_ms_per_token" in s:
+                row["worker_beyond_engine_cpu_ms_per_token"] = round(s["worker_cpu_ms_per_token"] - engine_cpu, 3)
+        serve = by.get(("vllm-serve", c))
+        if serve and serve["tokens_per_s"]:
+            row["x_vllm_serve"] = round(s["tokens_per_s"] / serve["tokens_per_s"], 3)
+        out.append(row)
+    return out
+
+
+def print_table(points: list[Point]) -> None:
+    cols = ["arm", "c", "tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "server ms/tok", "worker ms/tok"]
+    print(" | ".join(f"{c:>13}" for c in cols))
+    for p in points:
+        s = p.summary()
+        worker = s.get(
+            "worker_cpu_ms_per_token", s.get("engine_cpu_ms_per_token", s.get("vllm_serve_cpu_ms_per_token"))
+        )
+        vals = [s["arm"], s["concurrency"], s["tokens_per_s"], s["ttft_p50_ms"], s["ttft_p99_ms"], s["itl_p50_ms"],
+                s["itl_p99_ms"], s.get("server_cpu_ms_per_token", "-"), worker]  # fmt: skip
+        print(" | ".join(f"{'-' if v is None else v!s:>13}" for v in vals))
+    rows = ratios(points)
+    if rows:
+        print()
+        for r in rows:
+            print("  " + ", ".join(f"{k}={v}" for k, v in r.items()))
+
+
+def plot(points: list[Point], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for arm in dict.fromkeys(p.arm for p in points):
+        mine = sorted((p for p in points if p.arm == arm), key=lambda p: p.concurrency)
+        cs = [p.concurrency for p in mine]
+        left.plot(cs, [p.summary()["tokens_per_s"] for p in mine], marker="o", label=arm)
+        right.plot(cs, [p.summary()["ttft_p50_ms"] for p in mine], marker="o", label=arm)
+    for ax, label in ((left, "tokens/s delivered"), (right, "TTFT p50 (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    right.set_yscale("log")
+    left.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ---- main -----------------------------------------------------------------------------------------
+def _prompt_ids(model_dir: str) -> list[int]:
+    from shared.protocol import WorkMessage
+    from worker.chat_format import ChatFormat
+
+    return ChatFormat.load(model_dir).render([WorkMessage(id="u", role="user", content=PROMPT)])
+
+
+def _engine_child(args: argparse.Namespace) -> None:
+    levels = [int(c) for c in args.concurrency.split(",")]
+    prompt = _prompt_ids(args.model_dir)
+    points = asyncio.run(engine_points(args.engine, args.model_dir, prompt, levels, args.tokens, args.duration))
+    print(json.dumps([asdict(p) for p in points]))
+
+
+def _engine_arm(args: argparse.Namespace, model_dir: str, work: Path) -> list[Point]:
+    python = vllm_python() if args.engine == "vllm" else sys.executable
+    cmd = [python, __file__, "--engine-child", "--engine", args.engine, "--model-dir", model_dir,
+           "--concurrency", args.concurrency, "--tokens", str(args.tokens),
+           "--duration", str(args.duration)]  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with open(work / "engine.log", "wb") as log:
+        out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, env=env, check=False)
+    if out.returncode != 0:
+        raise RuntimeError((work / "engine.log").read_text()[-3000:])
+    return [Point(**p) for p in json.loads(out.stdout)]
+
+
+@contextlib.contextmanager
+def _postgres_and_redis() -> Iterator[dict[str, str]]:
+    from tests import services
+
+    with services.postgres_service() as pg, services.redis_service() as rd:
+        yield {
+            "TOKENTRAIL_DATABASE_URL": pg,
+            "TOKENTRAIL_REDIS_URL": rd,
+            "TOKENTRAIL_AUTH_SECRET": "pipeline-benchmark-secret-0123456789",
+        }
+
+
+def run(args: argparse.Namespace) -> list[Point]:
+    levels = [int(c) for c in args.concurrency.split(",")]
+    arms = args.arms.split(",")
+    model_dir = args.model_dir or prepare_model("chatml")
+    points: list[Point] = []
+    with tempfile.TemporaryDirectory(prefix="tt-pipeline-") as tmp:
+        work = Path(tmp)
+        if "engine" in arms:
+            _say(f"engine alone ({args.engine})...")
+            points += _engine_arm(args, model_dir, work)
+        if "embedded" in arms:
+            _say("tokentrail embedded...")
+            sub = work / "embedded"
+            sub.mkdir()
+            with tokentrail_stack(sub, model_dir, max(levels), args.engine) as (url, pids):
+                points += asyncio.run(tokentrail_points("embedded", url, pids, levels, args.tokens, args.duration))
+        if "redis" in arms:
+            _say("tokentrail on PostgreSQL + Redis...")
+            sub = work / "redis"
+            sub.mkdir()
+            with (
+                _postgres_and_redis() as env,
+                tokentrail_stack(sub, model_dir, max(levels), args.engine, env) as (
+                    url,
+                    pids,
+                ),
+            ):
+                points += asyncio.run(tokentrail_points("redis", url, pids, levels, args.tokens, args.duration))
+        if "vllm-serve" in arms and args.engine == "vllm":
+            _say("vllm serve...")
+            with vllm_serve(work, model_dir, max(levels)) as (url, pid):
+                points += asyncio.run(vllm_serve_points(url, pid, levels, args.tokens, args.duration))
+    return points
+
+
+def run_ceiling(args: argparse.Namespace) -> list[Point]:
+    levels = [int(c) for c in args.concurrency.split(",")]
+    model_dir = args.model_dir or prepare_model("chatml")
+    worker_cmd = [sys.executable, __file__, "--synthetic-worker", "--model-dir", model_dir,
+                  "--capacity", str(max(levels))]  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="tt-ceiling-") as tmp:
+        work = Path(tmp)
+        with tokentrail_stack(work, model_dir, max(levels), "hf", worker_cmd=worker_cmd) as (url, pids):
+            return asyncio.run(
+                tokentrail_points("synthetic", url, pids, levels, args.tokens, args.duration, readers=args.readers)
+            )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", choices=["hf", "vllm"], default="hf")
+    ap.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens per reply (end tokens ignored)")
+    ap.add_argument("--duration", type=float, default=20.0, help="seconds measured per point")
+    ap.add_argument("--arms", default="engine,embedded,redis,vllm-serve")
+    ap.add_argument("--model-dir", help="default: the trained tiny chatml model (built once, cached)")
+    ap.add_argument("--ceiling", action="store_true", help="the pipeline's own ceiling with a synthetic engine")
+    ap.add_argument("--readers", type=int, default=4, help="--ceiling: SSE readers per message")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--plot", type=Path, help="write a PNG of tokens/s and TTFT against concurrency (matplotlib)")
+    ap.add_argument("--engine-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--synthetic-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--server-url", help=argparse.SUPPRESS)
+    ap.add_argument("--api-key", help=argparse.SUPPRESS)
+    ap.add_argument("--capacity", type=int, default=32, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.engine_child:
+        _engine_child(args)
+        return
+    if args.synthetic_worker:
+        run_synthetic_worker(args.server_url, args.api_key, args.model_dir, args.capacity)
+        return
+    if args.ceiling:
+        args.tokens = args.tokens if args.tokens != 64 else 2048
+    points = run_ceiling(args) if args.ceiling else run(args)
+    if args.json:
+        print(json.dumps({"points": [p.summary() for p in points], "ratios": ratios(points)}))
+    else:
+        print_table(points)
+    if args.plot:
+        plot(points, args.plot)
+
+
+if __name__ == "__main__":
+    main()

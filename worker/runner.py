@@ -23,12 +23,19 @@ class VLLMOptions:
 
 
 def make_engine(
-    name: str, model_path: str, *, device: str, dtype: str, max_parallel: int, vllm: VLLMOptions | None = None
+    name: str,
+    model_path: str,
+    *,
+    device: str,
+    dtype: str,
+    max_parallel: int,
+    vllm: VLLMOptions | None = None,
+    threads: int | None = None,
 ) -> Engine:
     if name == "hf":
         from worker.engines.hf import HFEngine
 
-        return HFEngine(model_path, device=device, dtype=dtype, max_batch_size=max_parallel)
+        return HFEngine(model_path, device=device, dtype=dtype, max_batch_size=max_parallel, threads=threads)
     if name == "vllm":
         from worker.engines.vllm import VLLMEngine
 
@@ -58,12 +65,15 @@ async def run_worker(
     closer_policy: CloserPolicy = "keep",
     template_kwargs: dict[str, Any] | None = None,
     vllm: VLLMOptions | None = None,
+    threads: int | None = None,
 ) -> None:
     from worker.tiny_model import resolve_model
 
     model_path = await asyncio.to_thread(resolve_model, model)
     fmt = await asyncio.to_thread(ChatFormat.load, model_path, template_kwargs=template_kwargs)
-    engine = make_engine(engine_name, model_path, device=device, dtype=dtype, max_parallel=max_parallel, vllm=vllm)
+    engine = make_engine(
+        engine_name, model_path, device=device, dtype=dtype, max_parallel=max_parallel, vllm=vllm, threads=threads
+    )
     await engine.start()
     log.info("model %s loaded from %s (engine %s)", model, model_path, engine_name)
     options = WorkerOptions(

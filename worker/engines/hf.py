@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 from collections import deque
 from collections.abc import AsyncGenerator, Iterator
@@ -46,6 +47,19 @@ __all__ = ["HFEngine", "HFEngineStats"]
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cpu_threads(requested: int | None) -> int:
+    """Intra-op threads for CPU inference: as requested, else ``OMP_NUM_THREADS``, else all cores but
+    one. The worker's event loop (frames, detokenizing, prompt builds) needs a core of its own: when
+    torch's threads take every core they spin at their barriers against it, and on 2 cores that cost
+    40% of end-to-end throughput (benchmarks/pipeline.py)."""
+    if requested is not None:
+        return max(1, requested)
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return max(1, (os.cpu_count() or 1) - 1)
 
 
 @dataclass
@@ -87,12 +101,14 @@ class HFEngine:
         dtype: str = "float32",
         max_batch_size: int = 16,
         max_context: int | None = None,
+        threads: int | None = None,
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, not {dtype!r}")
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         self._path = model_path
+        self._threads = threads
         self._device = torch.device(device)
         self._dtype = _DTYPES[dtype]
         self._max_batch = max_batch_size
@@ -131,6 +147,8 @@ class HFEngine:
         self._scheduler = asyncio.create_task(self._run(), name="hf-engine-scheduler")
 
     def _load(self) -> None:
+        if self._device.type == "cpu":
+            torch.set_num_threads(cpu_threads(self._threads))
         with _quiet_loading():
             model = AutoModelForCausalLM.from_pretrained(self._path, dtype=self._dtype)
         # Plain nn.Module methods: transformers' wrappers of `to`/`eval` are opaque to type checkers.

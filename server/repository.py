@@ -107,6 +107,7 @@ class ChatRepository:
     def __init__(self, session: AsyncSession, user: User) -> None:
         self.session = session
         self.user = user
+        self._chats: dict[str, Chat] = {}
 
     async def create_chat(self, *, system_prompt: str | None = None, tools: list[Any] | None = None) -> Chat:
         chat = Chat(user_id=self.user.id, system_prompt=system_prompt, tools=tools)
@@ -138,9 +139,12 @@ class ChatRepository:
         return rows, next_cursor, prev_cursor
 
     async def get_chat(self, chat_id: str) -> Chat:
-        chat = await self.session.scalar(select(Chat).where(Chat.id == chat_id, Chat.user_id == self.user.id))
+        chat = self._chats.get(chat_id)  # a request checks its chat once, however many steps ask
         if chat is None:
-            raise ApiError(ErrorCode.chat_not_found, f"chat {chat_id} not found")
+            chat = await self.session.scalar(select(Chat).where(Chat.id == chat_id, Chat.user_id == self.user.id))
+            if chat is None:
+                raise ApiError(ErrorCode.chat_not_found, f"chat {chat_id} not found")
+            self._chats[chat_id] = chat
         return chat
 
     async def chat_read(self, chat_id: str) -> ChatRead:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -16,6 +16,7 @@ from server.streams.protocol import TokenStreams
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
+    from server.models import User
     from server.worker_hub import WorkerHub
 
 
@@ -30,3 +31,4 @@ class AppState:
     signer: TokenSigner
     hub: WorkerHub
     redis: Redis | None
+    auth_cache: dict[str, tuple[float, User]] = field(default_factory=dict)  # token -> (expiry, user)

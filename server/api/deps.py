@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Annotated
 
@@ -45,7 +46,35 @@ def bearer_token(request: Request) -> str:
     return token.strip()
 
 
+AUTH_CACHE_TTL_S = 5.0  # a revoked key or deleted user is refused within this long
+_AUTH_CACHE_MAX = 10_000
+
+
 async def user_for_token(token: str, state: AppState, session: AsyncSession) -> User:
+    """The user a bearer token or API key names. Answers are cached for a few seconds per process:
+    a chat turn makes three requests, and each would otherwise look the user up in SQL."""
+    now = time.monotonic()
+    hit = state.auth_cache.get(token)
+    if hit is not None and hit[0] > now:
+        return hit[1]
+    user = await _lookup_user(token, state, session)
+    if len(state.auth_cache) >= _AUTH_CACHE_MAX:
+        state.auth_cache.clear()
+    # a detached copy: the session that loaded it closes with this request
+    state.auth_cache[token] = (
+        now + AUTH_CACHE_TTL_S,
+        User(
+            id=user.id,
+            display_name=user.display_name,
+            provider=user.provider,
+            is_admin=user.is_admin,
+            created_at=user.created_at,
+        ),
+    )
+    return user
+
+
+async def _lookup_user(token: str, state: AppState, session: AsyncSession) -> User:
     if token.startswith(USER_KEY_PREFIX):
         user = await session.scalar(
             select(User)

@@ -279,8 +279,11 @@ async def tokentrail_points(
         for c in levels:
             point = Point(arm, c)
             before = {name: tree_cpu_s(pid) for name, pid in pids.items()}
+            client_cpu = time.process_time()
             await _closed_loop(point, Window(duration), c, one)
             point.cpu_s = {name: tree_cpu_s(pid) - before[name] for name, pid in pids.items()}
+            # the benchmark's own HTTP + SSE clients share the machine (the engine arm has none)
+            point.cpu_s["client"] = time.process_time() - client_cpu
             points.append(point)
             _say(f"  {arm} c={c}: {point.summary()['tokens_per_s']} tok/s")
         return points
@@ -495,7 +498,8 @@ def ratios(points: list[Point]) -> list[dict[str, Any]]:
 
 
 def print_table(points: list[Point]) -> None:
-    cols = ["arm", "c", "tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "server ms/tok", "worker ms/tok"]
+    cols = ["arm", "c", "tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "server ms/tok", "worker ms/tok",
+            "client ms/tok"]  # fmt: skip
     print(" | ".join(f"{c:>13}" for c in cols))
     for p in points:
         s = p.summary()
@@ -503,7 +507,8 @@ def print_table(points: list[Point]) -> None:
             "worker_cpu_ms_per_token", s.get("engine_cpu_ms_per_token", s.get("vllm_serve_cpu_ms_per_token"))
         )
         vals = [s["arm"], s["concurrency"], s["tokens_per_s"], s["ttft_p50_ms"], s["ttft_p99_ms"], s["itl_p50_ms"],
-                s["itl_p99_ms"], s.get("server_cpu_ms_per_token", "-"), worker]  # fmt: skip
+                s["itl_p99_ms"], s.get("server_cpu_ms_per_token", "-"), worker,
+                s.get("client_cpu_ms_per_token", "-")]  # fmt: skip
         print(" | ".join(f"{'-' if v is None else v!s:>13}" for v in vals))
     rows = ratios(points)
     if rows:

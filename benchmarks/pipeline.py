@@ -4,6 +4,7 @@ concurrency for every arm, closed loop, one run.
     python benchmarks/pipeline.py [--engine hf|vllm] [--concurrency 1,8,32] [--tokens 64] [--duration 20]
                                   [--arms engine,embedded,redis,vllm-serve] [--json] [--plot FILE.png]
     python benchmarks/pipeline.py --ceiling [--concurrency 32] [--readers 4] [--duration 10]
+    python benchmarks/pipeline.py --prompt-build
 
 Arms (each a fresh process tree, so CPU time is attributed exactly):
 
@@ -24,6 +25,9 @@ engine arm: its process), and the ratios tokentrail / engine alone (and / ``vllm
 process started by this script; not part of tokentrail) emits tokens as fast as the pipeline takes
 them, ``--readers`` SSE readers follow each message; printed: token events/s the server process fans
 out to readers, tokens/s the worker forwards, CPU per event and per token.
+
+``--prompt-build`` times the next turn's prompt build after 1k / 8k / 32k-token histories: stitched
+from stored tokens (the worker's way) against a full re-render, and decoding the work frame.
 """
 
 from __future__ import annotations
@@ -473,6 +477,73 @@ def run_synthetic_worker(server_url: str, api_key: str, model_dir: str, capacity
     asyncio.run(client.run_forever())
 
 
+# ---- prompt builds --------------------------------------------------------------------------------
+_PARAGRAPH = (
+    "The keeper climbed the stairs again, counted the steps, trimmed the wick and wrote the hour in the "
+    "log. Outside the wind turned east and the boats came in one by one, their lamps low on the water. "
+)
+
+
+def prompt_build_rows(model_dir: str, sizes: Sequence[int], repeats: int = 7) -> list[dict[str, Any]]:
+    """Time of the next turn's prompt build after a history of about ``size`` tokens: stitched from the
+    stored tokens (what the worker does) against a full re-render, and decoding the work frame."""
+    from shared.protocol import PriorChain, WorkFrame, WorkMessage
+    from worker.chat_format import ChatFormat
+    from worker.prompt_builder import PromptBuilder
+
+    fmt = ChatFormat.load(model_dir)
+    builder = PromptBuilder(fmt)
+    stop = fmt.stop_token_ids[0]
+    rows = []
+    for size in sizes:
+        messages = [WorkMessage(id="s", role="system", content="You tell long stories.")]
+        k = 0
+        while True:
+            messages.append(WorkMessage(id=f"u{k}", role="user", content=f"Go on ({k})."))
+            messages.append(WorkMessage(id=f"a{k}", role="assistant", content=_PARAGRAPH * 3))
+            k += 1
+            if k % max(1, size // 4000) == 0 and len(builder.full_render(messages, None)) >= size:
+                break
+        prompt = builder.full_render(messages[:-1], None)
+        completion = [*fmt.encode_content(messages[-1].content), stop]
+        prior = PriorChain(
+            message_id=messages[-1].id,
+            prompt_ids=prompt,
+            completion_ids=completion,
+            finish_reason="stop",
+            stop_reason=stop,
+            tokenizer_hash=fmt.tokenizer_hash,
+            template_hash=fmt.template_hash,
+            system_prompt=messages[0].content,
+        )
+        turn = [*messages, WorkMessage(id="next", role="user", content="And then?")]
+        frame = WorkFrame(
+            message_id="m", attempt=1, chat_id="c", model_name=MODEL, messages=turn, sampling={}, seed=0, prior=prior
+        )
+        wire = frame.model_dump_json()
+
+        def timed(fn: Any) -> float:
+            samples = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - t0)
+            return sorted(samples)[len(samples) // 2]
+
+        built = builder.build(frame)
+        assert built.prior_message_id == "a" + str(k - 1), built.fork_reason
+        rows.append(
+            {
+                "history_tokens": len(prompt) + len(completion),
+                "messages": len(turn),
+                "stitch_ms": round(1000 * timed(lambda f=frame: builder.build(f)), 2),
+                "full_render_ms": round(1000 * timed(lambda t=turn: builder.full_render(t, None)), 2),
+                "frame_decode_ms": round(1000 * timed(lambda w=wire: WorkFrame.model_validate_json(w)), 2),
+            }
+        )
+    return rows
+
+
 # ---- report ---------------------------------------------------------------------------------------
 def ratios(points: list[Point]) -> list[dict[str, Any]]:
     by = {(p.arm, p.concurrency): p.summary() for p in points}
@@ -638,6 +709,7 @@ def main() -> None:
     ap.add_argument("--model-dir", help="default: the trained tiny chatml model (built once, cached)")
     ap.add_argument("--ceiling", action="store_true", help="the pipeline's own ceiling with a synthetic engine")
     ap.add_argument("--readers", type=int, default=4, help="--ceiling: SSE readers per message")
+    ap.add_argument("--prompt-build", action="store_true", help="time prompt builds after 1k / 8k / 32k tokens")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--plot", type=Path, help="write a PNG of tokens/s and TTFT against concurrency (matplotlib)")
     ap.add_argument("--engine-child", action="store_true", help=argparse.SUPPRESS)
@@ -651,6 +723,10 @@ def main() -> None:
         return
     if args.synthetic_worker:
         run_synthetic_worker(args.server_url, args.api_key, args.model_dir, args.capacity)
+        return
+    if args.prompt_build:
+        rows = prompt_build_rows(args.model_dir or prepare_model("chatml"), (1_000, 8_000, 32_000))
+        print(json.dumps(rows) if args.json else "\n".join(", ".join(f"{k}={v}" for k, v in r.items()) for r in rows))
         return
     if args.ceiling:
         args.tokens = args.tokens if args.tokens != 64 else 2048

@@ -5,6 +5,7 @@ concurrency for every arm, closed loop, one run.
                                   [--arms engine,embedded,redis,vllm-serve] [--json] [--plot FILE.png]
     python benchmarks/pipeline.py --ceiling [--concurrency 32] [--readers 4] [--duration 10]
     python benchmarks/pipeline.py --prompt-build
+    python benchmarks/pipeline.py --idle-streams 5000
 
 Arms (each a fresh process tree, so CPU time is attributed exactly):
 
@@ -436,11 +437,12 @@ class SyntheticEngine:
     """Benchmark-only stand-in for a model: emits ordinary token ids as fast as the pipeline takes
     them (one per step), so that what limits the run is tokentrail's own path."""
 
-    def __init__(self, vocab_ids: list[int], max_context: int = 1 << 20) -> None:
+    def __init__(self, vocab_ids: list[int], rate: float = 0.0, max_context: int = 1 << 20) -> None:
         from worker.engines.contract import EngineInfo
 
         self.info = EngineInfo(name="synthetic", max_context=max_context)
         self.ids = vocab_ids
+        self.pause = 1.0 / rate if rate > 0 else 0.0  # per request; 0: as fast as the pipeline takes them
 
     async def start(self) -> None:
         return None
@@ -463,17 +465,18 @@ class SyntheticEngine:
                 finish_reason="length" if last else None,
                 prompt_token_ids=list(prompt_ids) if i == 0 else None,
             )
-            await asyncio.sleep(0)
+            await asyncio.sleep(self.pause)
 
 
-def run_synthetic_worker(server_url: str, api_key: str, model_dir: str, capacity: int) -> None:
+def run_synthetic_worker(server_url: str, api_key: str, model_dir: str, capacity: int, rate: float = 0.0) -> None:
     from worker.chat_format import ChatFormat
     from worker.client import WorkerClient, WorkerOptions
 
     fmt = ChatFormat.load(model_dir)
     specials = fmt.special_ids
     ids = [i for i in range(200, 400) if i not in specials]
-    client = WorkerClient(WorkerOptions(server_url, api_key, MODEL, max_parallel=capacity), SyntheticEngine(ids), fmt)
+    engine = SyntheticEngine(ids, rate)
+    client = WorkerClient(WorkerOptions(server_url, api_key, MODEL, max_parallel=capacity), engine, fmt)
     asyncio.run(client.run_forever())
 
 
@@ -686,6 +689,76 @@ def run(args: argparse.Namespace) -> list[Point]:
     return points
 
 
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return kb / 1024
+
+
+async def idle_streams(url: str, server_pid: int, n: int, settle_s: float = 10.0) -> dict[str, Any]:
+    """``n`` SSE readers on one message that streams a token a second: the server's memory per
+    connected reader, and its CPU while they wait."""
+    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(60, read=600), limits=limits) as client:
+        pair = (await client.get("/auth/callback/debug", params={"code": "idle"})).json()
+        client.headers["Authorization"] = f"Bearer {pair['access_token']['access_token']}"
+        chat = (await client.post("/chats", json={})).json()["id"]
+        prompt = (await client.post(f"/chats/{chat}/prompter_message", json={"parent_id": None, "content": "x"})).json()
+        reply = await client.post(
+            f"/chats/{chat}/assistant_message",
+            json={
+                "parent_id": prompt["id"],
+                "model_config_name": MODEL,
+                "sampling_parameters": {"max_new_tokens": 3000},
+            },
+        )
+        reply.raise_for_status()
+        path = f"/chats/{chat}/messages/{reply.json()['id']}/events"
+        await asyncio.sleep(1.0)
+        before = rss_mb(server_pid)
+        seen = [0]
+        started = asyncio.Event()
+
+        async def reader() -> None:
+            async for _ev in _sse(client, path):
+                seen[0] += 1
+                if seen[0] >= n:
+                    started.set()
+
+        tasks = [asyncio.create_task(reader()) for _ in range(n)]
+        t0 = time.perf_counter()
+        await asyncio.wait_for(started.wait(), timeout=300)
+        connect_s = time.perf_counter() - t0
+        await asyncio.sleep(2.0)
+        cpu0, events0 = tree_cpu_s(server_pid), seen[0]
+        await asyncio.sleep(settle_s)
+        cpu, events = tree_cpu_s(server_pid) - cpu0, seen[0] - events0
+        after = rss_mb(server_pid)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return {
+        "idle_streams": n,
+        "connect_s": round(connect_s, 1),
+        "server_rss_before_mb": round(before, 1),
+        "server_rss_after_mb": round(after, 1),
+        "kb_per_stream": round(1024 * (after - before) / n, 1),
+        "events_per_s": round(events / settle_s, 1),
+        "server_cpu_share": round(cpu / settle_s, 3),
+    }
+
+
+def run_idle(args: argparse.Namespace) -> dict[str, Any]:
+    model_dir = args.model_dir or prepare_model("chatml")
+    worker_cmd = [sys.executable, __file__, "--synthetic-worker", "--model-dir", model_dir, "--capacity", "1",
+                  "--rate", "1"]  # fmt: skip
+    with (
+        tempfile.TemporaryDirectory(prefix="tt-idle-") as tmp,
+        tokentrail_stack(Path(tmp), model_dir, 1, "hf", worker_cmd=worker_cmd) as (url, pids),
+    ):
+        return asyncio.run(idle_streams(url, pids["server"], args.idle_streams))
+
+
 def run_ceiling(args: argparse.Namespace) -> list[Point]:
     levels = [int(c) for c in args.concurrency.split(",")]
     model_dir = args.model_dir or prepare_model("chatml")
@@ -717,12 +790,18 @@ def main() -> None:
     ap.add_argument("--server-url", help=argparse.SUPPRESS)
     ap.add_argument("--api-key", help=argparse.SUPPRESS)
     ap.add_argument("--capacity", type=int, default=32, help=argparse.SUPPRESS)
+    ap.add_argument("--rate", type=float, default=0.0, help=argparse.SUPPRESS)
+    ap.add_argument("--idle-streams", type=int, default=0, help="server memory per connected SSE reader (e.g. 5000)")
     args = ap.parse_args()
     if args.engine_child:
         _engine_child(args)
         return
     if args.synthetic_worker:
-        run_synthetic_worker(args.server_url, args.api_key, args.model_dir, args.capacity)
+        run_synthetic_worker(args.server_url, args.api_key, args.model_dir, args.capacity, args.rate)
+        return
+    if args.idle_streams:
+        result = run_idle(args)
+        print(json.dumps(result) if args.json else ", ".join(f"{k}={v}" for k, v in result.items()))
         return
     if args.prompt_build:
         rows = prompt_build_rows(args.model_dir or prepare_model("chatml"), (1_000, 8_000, 32_000))

@@ -31,6 +31,7 @@ from server.streams.protocol import StreamConflict, StreamDone, TokenBatch, Toke
 from server.work_store import WorkStore
 from shared.errors import ErrorCode
 from shared.protocol import (
+    FEATURE_BATCH,
     FEATURE_RPC,
     PROTOCOL_VERSION,
     CreditFrame,
@@ -46,7 +47,9 @@ from shared.protocol import (
     RpcResultFrame,
     TokensFrame,
     WelcomeFrame,
+    WorkerFrame,
     WorkFrame,
+    worker_batch_adapter,
     worker_frame_adapter,
 )
 
@@ -167,7 +170,11 @@ class WorkerHub:
         log.info("worker %s connected: model=%s capacity=%d", conn.id, hello.model_name, hello.capacity)
         try:
             await conn.send(
-                WelcomeFrame(worker_id=conn.id, heartbeat_interval_s=self.settings.worker_heartbeat_interval_s)
+                WelcomeFrame(
+                    worker_id=conn.id,
+                    heartbeat_interval_s=self.settings.worker_heartbeat_interval_s,
+                    features=[FEATURE_BATCH],
+                )
             )
             async with asyncio.TaskGroup() as tg:
                 recv = tg.create_task(self._receive(conn))
@@ -211,22 +218,41 @@ class WorkerHub:
                 return
             conn.last_seen = time.monotonic()
             try:
-                frame = worker_frame_adapter.validate_json(raw)
+                # a JSON array: the frames of one engine step (FEATURE_BATCH), tokens appended at once
+                frames = worker_batch_adapter.validate_json(raw) if raw.startswith("[") else None
+                frame = worker_frame_adapter.validate_json(raw) if frames is None else None
             except ValidationError as exc:
                 log.warning("worker %s sent a bad frame: %s", conn.id, exc)
                 continue
-            if isinstance(frame, CreditFrame):
-                conn.credits += frame.credits
-                conn.credit_event.set()
-            elif isinstance(frame, TokensFrame | FinishedFrame | FailedFrame):
-                await self._handle(conn, frame)
-            elif isinstance(frame, RpcResultFrame):
-                call = conn.calls.get(frame.id)
-                if call is not None and not call.done():
-                    if frame.result is not None:
-                        call.set_result(frame.result)
-                    else:
-                        call.set_exception(RpcFailed(frame.code or "engine_error", frame.message or "rpc failed"))
+            if frames is not None:
+                await self._on_batch(conn, frames)
+            elif frame is not None:
+                await self._on_frame(conn, frame)
+
+    async def _on_batch(self, conn: WorkerConnection, frames: list[WorkerFrame]) -> None:
+        tokens = [f for f in frames if isinstance(f, TokensFrame)]
+        if tokens:
+            try:
+                await self._on_tokens_many(conn, tokens)
+            except Exception as exc:  # appended later from the finished records (positions did not advance)
+                log.warning("worker %s: appending %d token frames failed: %s", conn.id, len(tokens), exc)
+        for frame in frames:
+            if not isinstance(frame, TokensFrame):
+                await self._on_frame(conn, frame)
+
+    async def _on_frame(self, conn: WorkerConnection, frame: WorkerFrame) -> None:
+        if isinstance(frame, CreditFrame):
+            conn.credits += frame.credits
+            conn.credit_event.set()
+        elif isinstance(frame, TokensFrame | FinishedFrame | FailedFrame):
+            await self._handle(conn, frame)
+        elif isinstance(frame, RpcResultFrame):
+            call = conn.calls.get(frame.id)
+            if call is not None and not call.done():
+                if frame.result is not None:
+                    call.set_result(frame.result)
+                else:
+                    call.set_exception(RpcFailed(frame.code or "engine_error", frame.message or "rpc failed"))
 
     async def _handle(self, conn: WorkerConnection, frame: TokensFrame | FinishedFrame | FailedFrame) -> None:
         """One message frame. A transient failure (Redis or the database briefly away) costs that
@@ -415,10 +441,11 @@ class WorkerHub:
             return None
         return inflight
 
-    async def _on_tokens(self, conn: WorkerConnection, frame: TokensFrame) -> None:
+    def _token_batch(self, conn: WorkerConnection, frame: TokensFrame) -> tuple[InFlight, TokenBatch] | None:
+        """The stream batch of a tokens frame of current work, or None (stale, empty or malformed)."""
         inflight = self._current(conn, frame.message_id, frame.attempt)
         if inflight is None or not frame.token_ids:
-            return
+            return None
         n = len(frame.token_ids)
         channels = frame.channels or ""
         top = frame.top_logprobs
@@ -429,16 +456,24 @@ class WorkerHub:
             or (top is not None and len(top) != n)
         ):
             log.warning("worker %s sent a tokens frame with mismatched lengths", conn.id)
-            return
+            return None
         prompt = frame.prompt_ids if frame.start == 0 else None
-        try:
-            await self.streams.append(
-                frame.message_id,
-                TokenBatch(frame.start, frame.token_ids, frame.logprobs, frame.texts, channels, top, prompt),
-            )
-            inflight.next_index = frame.start + n
-        except StreamConflict:
-            log.warning("rejected tokens %d.. of %s (stream is elsewhere)", frame.start, frame.message_id)
+        return inflight, TokenBatch(frame.start, frame.token_ids, frame.logprobs, frame.texts, channels, top, prompt)
+
+    async def _on_tokens(self, conn: WorkerConnection, frame: TokensFrame) -> None:
+        await self._on_tokens_many(conn, [frame])
+
+    async def _on_tokens_many(self, conn: WorkerConnection, frames: list[TokensFrame]) -> None:
+        """Append the frames' tokens in one round trip (one engine step of the worker)."""
+        items = [(f, item) for f in frames if (item := self._token_batch(conn, f)) is not None]
+        if not items:
+            return
+        results = await self.streams.append_many([(f.message_id, batch) for f, (_, batch) in items])
+        for (frame, (inflight, batch)), conflict in zip(items, results, strict=True):
+            if conflict is None:
+                inflight.next_index = batch.end
+            else:
+                log.warning("rejected tokens %d.. of %s (%s)", frame.start, frame.message_id, conflict)
 
     async def _on_finished(self, conn: WorkerConnection, frame: FinishedFrame) -> None:
         inflight = self._current(conn, frame.message_id, frame.attempt)

@@ -123,6 +123,12 @@ class WelcomeFrame(BaseModel):
     type: Literal["welcome"] = "welcome"
     worker_id: str
     heartbeat_interval_s: float
+    features: list[str] = Field(default_factory=list)  # what the server accepts beyond single frames
+
+
+# The server accepts a JSON array of worker frames in one websocket message: a worker sends the
+# frames of one engine step together, and the server appends their tokens in one round trip.
+FEATURE_BATCH = "batch"
 
 
 class WorkMessage(BaseModel):
@@ -234,4 +240,5 @@ ServerFrame = Annotated[
 ]
 
 worker_frame_adapter: TypeAdapter[WorkerFrame] = TypeAdapter(WorkerFrame)
+worker_batch_adapter: TypeAdapter[list[WorkerFrame]] = TypeAdapter(list[WorkerFrame])
 server_frame_adapter: TypeAdapter[ServerFrame] = TypeAdapter(ServerFrame)

@@ -155,3 +155,81 @@ def test_lost_worker_is_resumed_by_another_in_one_stream(
             assert stored["content"] == "".join(e["text"] for e in tokens).strip()
     finally:
         second.stop()
+
+
+def _record(ids: list[int], texts: list[str]) -> dict[str, Any]:
+    ends = [sum(len(t) for t in texts[: i + 1]) for i in range(len(texts))]
+    return {
+        "prompt_ids": [1, 2, 3],
+        "completion_ids": ids,
+        "logprobs": [-0.5] * len(ids),
+        "text_offsets": ends,
+        "completion_text": "".join(texts),
+        "content": "".join(texts),
+        "finish_reason": "length",
+        "engine": "hf",
+        "tokenizer_hash": "t",
+        "template_hash": "t",
+    }
+
+
+def test_a_batch_of_frames_from_one_engine_step_is_taken_in_order(
+    embedded_stack: str, embedded_settings: ServerSettings
+) -> None:
+    """A worker that the server welcomes with the ``batch`` feature sends the frames of one engine step
+    as one JSON array; tokens of several messages are appended at once, then their ends stored."""
+    url, key = embedded_stack, worker_key(embedded_settings)
+    headers = login(url, "batch-user")
+
+    async def scenario() -> list[str]:
+        hdrs = {"Authorization": f"Bearer {key}"}
+        async with websockets.connect(websocket_url(url), additional_headers=hdrs) as ws:
+            await ws.send(
+                hello()
+                .replace('"model_name": "x"', '"model_name": "raw-batch"')
+                .replace('"capacity": 1', '"capacity": 2')
+            )
+            welcome = json.loads(await ws.recv())
+            assert welcome["type"] == "welcome" and "batch" in welcome["features"]
+            await ws.send(json.dumps({"type": "credit", "credits": 2}))
+            ids = []
+            async with httpx.AsyncClient(base_url=url, headers=headers) as http:
+                for k in range(2):
+                    chat = (await http.post("/chats", json={})).json()["id"]
+                    body = {"parent_id": None, "content": f"q{k}"}
+                    prompt = (await http.post(f"/chats/{chat}/prompter_message", json=body)).json()
+                    body = {"parent_id": prompt["id"], "model_config_name": "raw-batch"}
+                    reply = await http.post(f"/chats/{chat}/assistant_message", json=body)
+                    assert reply.status_code == 200, reply.text
+                    ids.append((chat, reply.json()["id"]))
+            work = {}
+            while len(work) < 2:
+                frame = json.loads(await asyncio.wait_for(ws.recv(), timeout=10))
+                if frame["type"] == "work":
+                    work[frame["message_id"]] = frame["attempt"]
+            (_, a), (_, b) = ids
+
+            def tokens(mid: str, start: int, token_ids: list[int], texts: list[str]) -> dict[str, Any]:
+                return {"type": "tokens", "message_id": mid, "attempt": work[mid], "start": start,
+                        "token_ids": token_ids, "logprobs": [-0.5] * len(token_ids), "texts": texts}  # fmt: skip
+
+            step = [
+                tokens(a, 0, [5, 6], ["a", "b"]),
+                tokens(b, 0, [7], ["c"]),
+                {"type": "finished", "message_id": a, "attempt": work[a], "record": _record([5, 6], ["a", "b"])},
+            ]
+            await ws.send(json.dumps(step))
+            await ws.send(json.dumps([tokens(b, 1, [8], ["d"])]))
+            await ws.send(
+                json.dumps(
+                    {"type": "finished", "message_id": b, "attempt": work[b], "record": _record([7, 8], ["c", "d"])}
+                )
+            )
+            out = []
+            for chat, mid in ids:
+                evs = await asyncio.to_thread(events, url, f"/chats/{chat}/messages/{mid}/events", headers)
+                assert evs[-1]["event_type"] == "message", evs[-1]
+                out.append(",".join(str(e["token_id"]) for e in evs if e["event_type"] == "token"))
+            return out
+
+    assert asyncio.run(scenario()) == ["5,6", "7,8"]

@@ -23,6 +23,7 @@ from websockets.asyncio.client import ClientConnection
 from shared.errors import ErrorCode
 from shared.packing import to_float32
 from shared.protocol import (
+    FEATURE_BATCH,
     FEATURE_RPC,
     PROTOCOL_VERSION,
     CancelFrame,
@@ -93,6 +94,8 @@ class WorkerClient:
         self._builders: dict[str, PromptBuilder] = {}
         self._ws: ClientConnection | None = None
         self._send_lock = asyncio.Lock()
+        self._batching = False  # the server takes the frames of one engine step as one message
+        self._outbox: _Outbox | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.connected = asyncio.Event()
         self.completed = 0
@@ -143,6 +146,7 @@ class WorkerClient:
             if not isinstance(first, WelcomeFrame):
                 raise FatalWorkerError(f"expected welcome, got {first.type}")
             log.info("connected as %s to %s", first.worker_id, url)
+            self._batching = FEATURE_BATCH in first.features
             await self._send(CreditFrame(credits=self.options.max_parallel - len(self._tasks)))
             self.connected.set()
             beat = asyncio.create_task(self._heartbeat(first.heartbeat_interval_s))
@@ -196,8 +200,33 @@ class WorkerClient:
         ws = self._ws
         if ws is None:
             raise ConnectionError("not connected")
-        async with self._send_lock:
-            await ws.send(frame.model_dump_json())
+        if not self._batching:
+            async with self._send_lock:
+                await ws.send(frame.model_dump_json())
+            return
+        # Frames sent while the loop runs one engine step's consumers go out as one message: the
+        # first schedules the flush, the rest join it; each sender waits for (and sees errors of) it.
+        box = self._outbox
+        if box is None or box.ws is not ws:
+            box = self._outbox = _Outbox(ws)
+            asyncio.get_running_loop().create_task(self._flush(box))
+        box.frames.append(frame.model_dump_json())
+        await asyncio.shield(box.sent)
+
+    async def _flush(self, box: _Outbox) -> None:
+        await asyncio.sleep(0)  # let the rest of this step's senders add their frames
+        if self._outbox is box:
+            self._outbox = None
+        frames = box.frames
+        try:
+            async with self._send_lock:
+                await box.ws.send(frames[0] if len(frames) == 1 else "[" + ",".join(frames) + "]")
+            box.sent.set_result(None)
+        except Exception as exc:
+            box.sent.set_exception(exc)
+        except BaseException:
+            box.sent.set_exception(ConnectionError("the send was cancelled"))
+            raise
 
     async def _abort_all(self) -> None:
         tasks = list(self._tasks.values())
@@ -432,6 +461,17 @@ class WorkerClient:
             resumed_at=[len(resume.token_ids)] if resume else [],
             prompt_check=prompt_check,
         )
+
+
+class _Outbox:
+    """Frames queued for one websocket message, and the future of its send."""
+
+    def __init__(self, ws: ClientConnection) -> None:
+        self.ws = ws
+        self.frames: list[str] = []
+        self.sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # mark a failure retrieved even when every sender has gone (their tasks were cancelled)
+        self.sent.add_done_callback(lambda f: None if f.cancelled() else f.exception())
 
 
 def _first_difference(a: list[int], b: list[int]) -> int | None:

@@ -86,6 +86,16 @@ class MemoryTokenStreams:
         stream.ends.append(batch.end)
         stream.notify()
 
+    async def append_many(self, items: list[tuple[str, TokenBatch]]) -> list[StreamConflict | None]:
+        out: list[StreamConflict | None] = []
+        for message_id, batch in items:
+            try:
+                await self.append(message_id, batch)
+                out.append(None)
+            except StreamConflict as exc:
+                out.append(exc)
+        return out
+
     async def finish(self, message_id: str, done: StreamDone) -> None:
         stream = self._stream(message_id)
         if stream.done is not None:

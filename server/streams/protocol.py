@@ -53,6 +53,11 @@ class TokenStreams(Protocol):
         """Raise StreamConflict unless ``batch.start`` equals the current length."""
         ...
 
+    async def append_many(self, items: list[tuple[str, TokenBatch]]) -> list[StreamConflict | None]:
+        """``append`` of each (message id, batch) in order, in one round trip where the backend
+        allows (one engine step of a worker); per item None or the conflict it raised."""
+        ...
+
     async def finish(self, message_id: str, done: StreamDone) -> None:
         """Append the terminal entry (idempotent) and schedule the stream's expiry."""
         ...

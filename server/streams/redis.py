@@ -127,14 +127,37 @@ class RedisTokenStreams:
         self._finish = redis.register_script(_FINISH)
         self._block_s = max_block_s(redis)
 
+    def _append_args(self, batch: TokenBatch) -> list[EncodableT]:
+        return [batch.start, batch.end, int(self.idle_expire_s * 1000), *_encode_batch(batch)]
+
+    @staticmethod
+    def _conflict(message_id: str, batch: TokenBatch, reply: Any) -> StreamConflict | None:
+        ok, length = reply
+        if ok:
+            return None
+        if length < 0:
+            return StreamConflict(f"stream {message_id} has finished")
+        return StreamConflict(f"batch starts at {batch.start}, stream {message_id} has {length}")
+
     async def append(self, message_id: str, batch: TokenBatch) -> None:
-        ttl_ms = int(self.idle_expire_s * 1000)
-        args: list[EncodableT] = [batch.start, batch.end, ttl_ms, *_encode_batch(batch)]
-        ok, length = await self._append(keys=[TOKEN_STREAM.format(message_id=message_id)], args=args)
-        if not ok:
-            if length < 0:
-                raise StreamConflict(f"stream {message_id} has finished")
-            raise StreamConflict(f"batch starts at {batch.start}, stream {message_id} has {length}")
+        key = TOKEN_STREAM.format(message_id=message_id)
+        conflict = self._conflict(message_id, batch, await self._append(keys=[key], args=self._append_args(batch)))
+        if conflict is not None:
+            raise conflict
+
+    async def append_many(self, items: list[tuple[str, TokenBatch]]) -> list[StreamConflict | None]:
+        if len(items) == 1:
+            try:
+                await self.append(*items[0])
+                return [None]
+            except StreamConflict as exc:
+                return [exc]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for message_id, batch in items:
+                key = TOKEN_STREAM.format(message_id=message_id)
+                await self._append(keys=[key], args=self._append_args(batch), client=pipe)
+            replies = await pipe.execute()
+        return [self._conflict(m, b, r) for (m, b), r in zip(items, replies, strict=True)]
 
     async def finish(self, message_id: str, done: StreamDone) -> None:
         fields: list[str] = ["status", done.status]
@@ -154,14 +177,18 @@ class RedisTokenStreams:
         key = TOKEN_STREAM.format(message_id=message_id)
         # A batch with ID 0-E holds indices < E: it has something new iff E > after + 1.
         last_id = f"0-{max(after, -1) + 1}"
-        raw: list[Any] = await self.redis.xrange(key, "(" + last_id, "+") or []
+        if timeout_s <= 0.001:
+            raw: list[Any] = await self.redis.xrange(key, "(" + last_id, "+") or []
+            return [_decode_entry(entry_id, fields) for entry_id, fields in raw]
+        # XREAD from an explicit ID answers at once when entries after it exist, and blocks
+        # otherwise: one round trip per batch for a reader that keeps up (no XRANGE first).
+        raw = []
         deadline = time.monotonic() + timeout_s
         while not raw:
             remaining = deadline - time.monotonic()
             if remaining <= 0.001:  # BLOCK 0 would wait forever
                 return []
             block_ms = max(int(min(remaining, self._block_s) * 1000), 1)
-            # XREAD from an explicit ID: nothing appended since the XRANGE can slip by.
             raw = stream_entries(await self.redis.xread({key: last_id}, block=block_ms))
         return [_decode_entry(entry_id, fields) for entry_id, fields in raw]
 

@@ -231,3 +231,25 @@ async def test_redis_concurrent_appends_from_two_clients(redis_url: str, mid: st
             assert sorted(type(r).__name__ for r in results) == ["NoneType", "StreamConflict"]
         assert await a.length(mid) == 20
         assert starts(await b.read(mid, after=-1, timeout_s=0)) == list(range(20))
+
+
+async def test_append_many_appends_in_order_and_reports_each_conflict(streams: TokenStreams, mid: str) -> None:
+    other = mid + "-b"
+    results = await streams.append_many(
+        [(mid, batch(0, 2)), (other, batch(0, 1)), (mid, batch(2, 1)), (mid, batch(9, 1)), (other, batch(1, 2))]
+    )
+    assert [type(r).__name__ for r in results] == ["NoneType", "NoneType", "NoneType", "StreamConflict", "NoneType"]
+    assert starts(await streams.read(mid, after=-1, timeout_s=0)) == [0, 2]
+    assert starts(await streams.read(other, after=-1, timeout_s=0)) == [0, 1]
+    await streams.finish(other, StreamDone("complete"))
+    [done] = await streams.append_many([(other, batch(3, 1))])
+    assert isinstance(done, StreamConflict)
+
+
+async def test_redis_append_many_reloads_flushed_scripts(redis_url: str, mid: str) -> None:
+    async with Redis.from_url(redis_url) as client:
+        streams = RedisTokenStreams(client)
+        await client.script_flush()  # as after a Redis restart: the append script is gone
+        results = await streams.append_many([(mid, batch(0, 1)), (mid, batch(1, 2))])
+        assert results == [None, None]
+        assert await streams.length(mid) == 3

@@ -17,6 +17,7 @@ from typing import Any
 
 import orjson
 from redis.asyncio import Redis
+from redis.exceptions import NoScriptError
 from redis.typing import EncodableT
 
 from server.constants import TOKEN_STREAM
@@ -152,11 +153,20 @@ class RedisTokenStreams:
                 return [None]
             except StreamConflict as exc:
                 return [exc]
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for message_id, batch in items:
-                key = TOKEN_STREAM.format(message_id=message_id)
-                await self._append(keys=[key], args=self._append_args(batch), client=pipe)
-            replies = await pipe.execute()
+        # EVALSHA by hand: a Script in a pipeline costs a SCRIPT EXISTS round trip per pipeline.
+        for attempt in range(2):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for message_id, batch in items:
+                    key = TOKEN_STREAM.format(message_id=message_id)
+                    pipe.evalsha(self._append.sha, 1, key, *self._append_args(batch))
+                replies = await pipe.execute(raise_on_error=False)
+            if attempt == 0 and any(isinstance(r, NoScriptError) for r in replies):
+                await self.redis.script_load(_APPEND)  # Redis restarted or flushed its scripts: none ran
+                continue
+            break
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
         return [self._conflict(m, b, r) for (m, b), r in zip(items, replies, strict=True)]
 
     async def finish(self, message_id: str, done: StreamDone) -> None:

@@ -23,6 +23,7 @@ from redis.typing import EncodableT
 from server.constants import TOKEN_STREAM
 from server.queue.redis import max_block_s, stream_entries, text
 from server.streams.protocol import StreamConflict, StreamDone, StreamEntry, TokenBatch
+from server.streams.redis_mux import StreamMux
 
 # ARGV: start, end, ttl ms, field/value pairs. Returns {1, end} or {0, length} (-1: finished).
 _APPEND = """
@@ -109,12 +110,10 @@ class RedisTokenStreams:
     Works with clients created either way (``decode_responses`` True or False). The client
     belongs to the caller; ``close`` leaves it open.
 
-    Each reader waiting in ``read`` holds one pooled connection for up to ``max_block_s`` per
-    XREAD. redis-py 8's default pool allows 100 connections and raises ``MaxConnectionsError``
-    beyond that (no deadlock, but failed reads). Size ``max_connections`` to at least concurrent
-    SSE readers + blocked claimers + ~20 for everything else. A ``BlockingConnectionPool`` that
-    is too small makes excess callers wait instead of fail, but appends then queue behind
-    blocked readers for seconds, so give readers a client of their own if you cap the pool.
+    Readers waiting in ``read`` share one blocking XREAD per process (``redis_mux.StreamMux``): one
+    pooled connection however many SSE readers wait, and one round trip per batch for all of them.
+    A reader resuming before what the shared reader holds reads directly (one connection while it
+    waits); size ``max_connections`` for those plus blocked claimers and ~20 for everything else.
 
     ``idle_expire_s`` is a safety net: a stream that never finishes (its server died and
     recovery never ran) still expires that long after its last append.
@@ -127,6 +126,7 @@ class RedisTokenStreams:
         self._append = redis.register_script(_APPEND)
         self._finish = redis.register_script(_FINISH)
         self._block_s = max_block_s(redis)
+        self._mux = StreamMux(redis, self._block_s)  # one XREAD for all of this process's readers
 
     def _append_args(self, batch: TokenBatch) -> list[EncodableT]:
         return [batch.start, batch.end, int(self.idle_expire_s * 1000), *_encode_batch(batch)]
@@ -190,8 +190,11 @@ class RedisTokenStreams:
         if timeout_s <= 0.001:
             raw: list[Any] = await self.redis.xrange(key, "(" + last_id, "+") or []
             return [_decode_entry(entry_id, fields) for entry_id, fields in raw]
-        # XREAD from an explicit ID answers at once when entries after it exist, and blocks
-        # otherwise: one round trip per batch for a reader that keeps up (no XRANGE first).
+        shared = await self._mux.read(key, after, timeout_s)
+        if shared is not None:
+            return [_decode_entry(entry_id, fields) for entry_id, fields in shared]
+        # A position before what the shared reader holds (a reader resuming far back): XREAD from an
+        # explicit ID answers at once when entries after it exist, and blocks otherwise.
         raw = []
         deadline = time.monotonic() + timeout_s
         while not raw:
@@ -206,4 +209,4 @@ class RedisTokenStreams:
         return bool(await self.redis.exists(TOKEN_STREAM.format(message_id=message_id)))
 
     async def close(self) -> None:
-        pass
+        await self._mux.close()

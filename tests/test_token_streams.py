@@ -253,3 +253,27 @@ async def test_redis_append_many_reloads_flushed_scripts(redis_url: str, mid: st
         results = await streams.append_many([(mid, batch(0, 1)), (mid, batch(1, 2))])
         assert results == [None, None]
         assert await streams.length(mid) == 3
+
+
+async def test_redis_waiting_readers_share_one_blocking_read(redis_url: str) -> None:
+    """Fifty readers waiting on fifty streams hold one connection in a blocking XREAD, not fifty,
+    and each still gets its own batch as soon as it is appended."""
+    name = f"mux-{uuid.uuid4().hex[:8]}"
+    mids = [f"msg-{uuid.uuid4().hex[:8]}" for _ in range(50)]
+    async with Redis.from_url(redis_url, client_name=name) as client, Redis.from_url(redis_url) as admin:
+        streams = RedisTokenStreams(client)
+        try:
+            readers = [asyncio.create_task(streams.read(m, after=-1, timeout_s=10)) for m in mids]
+            await asyncio.sleep(0.5)
+            clients = await admin.client_list()
+            blocked = [c for c in clients if c.get("name") == name and c.get("cmd") in ("xread", "xread|")]
+            assert len(blocked) == 1, blocked
+            for k, m in enumerate(mids):
+                await streams.append(m, batch(0, 1 + k % 3))
+            results = await asyncio.wait_for(asyncio.gather(*readers), timeout=10)
+            assert [starts(r) for r in results] == [[0]] * 50
+            assert [len(r[0].token_ids) for r in results if isinstance(r[0], TokenBatch)] == [
+                1 + k % 3 for k in range(50)
+            ]
+        finally:
+            await streams.close()

@@ -129,6 +129,29 @@ def tree_cpu_s(pid: int) -> float:
     return total
 
 
+class Arrivals:
+    """Records one request's token arrivals into a point: TTFT, inter-token gaps, tokens."""
+
+    def __init__(self, point: Point, window: Window) -> None:
+        self.point = point
+        self.window = window
+        self.sent = self.last = time.perf_counter()
+        self.first = True
+
+    def tokens(self, n: int) -> None:
+        now = time.perf_counter()
+        if not n or not self.window.open:
+            return
+        if self.first:
+            self.point.ttft_s.append(now - self.sent)
+            self.first = False
+        else:
+            self.point.gaps_s.append(now - self.last)
+        self.point.gaps_s += [0.0] * (n - 1)  # tokens that arrived together
+        self.last = now
+        self.point.tokens += n
+
+
 class Window:
     """The measured window of one point: tokens count only while it is open."""
 
@@ -163,20 +186,9 @@ async def engine_points(
         nonlocal counter
         counter += 1
         params = GenerationParams(max_new_tokens=tokens, temperature=1.0, seed=seed, stop_token_ids=())
-        sent = last = time.perf_counter()
-        first = True
+        arrivals = Arrivals(point, window)
         async for step in engine.generate(f"bench-{counter}", prompt_ids, params):
-            now = time.perf_counter()
-            if not window.open:
-                continue
-            if first:
-                point.ttft_s.append(now - sent)
-                first = False
-            else:
-                point.gaps_s.append(now - last)
-                point.gaps_s += [0.0] * (len(step.token_ids) - 1)
-            last = now
-            point.tokens += len(step.token_ids)
+            arrivals.tokens(len(step.token_ids))
         if window.open:
             point.requests += 1
 
@@ -238,7 +250,7 @@ async def tokentrail_points(
             prompt = (
                 await client.post(f"/chats/{chat}/prompter_message", json={"parent_id": None, "content": PROMPT})
             ).json()
-            sent = time.perf_counter()
+            sent = Arrivals(point, window)
             reply = await client.post(
                 f"/chats/{chat}/assistant_message",
                 json={
@@ -256,20 +268,12 @@ async def tokentrail_points(
             path = f"/chats/{chat}/messages/{reply.json()['id']}/events"
 
             async def read(counting: bool) -> None:
-                first, last = True, sent
+                arrivals = Arrivals(point, window)
+                arrivals.sent = arrivals.last = sent.sent
                 async for ev in _sse(client, path):
                     kind = ev.get("event_type")
                     if kind == "token":
-                        now = time.perf_counter()
-                        if not (counting and window.open):
-                            continue
-                        if first:
-                            point.ttft_s.append(now - sent)
-                            first = False
-                        else:
-                            point.gaps_s.append(now - last)
-                        last = now
-                        point.tokens += 1
+                        arrivals.tokens(1 if counting else 0)
                     elif kind in ("message", "error"):
                         if kind == "error":
                             raise RuntimeError(f"generation failed: {ev}")
@@ -372,26 +376,14 @@ async def vllm_serve_points(url: str, pid: int, levels: list[int], tokens: int, 
                 "stream": True,
                 "return_token_ids": True,
             }
-            sent = last = time.perf_counter()
-            first = True
+            arrivals = Arrivals(point, window)
             async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
                 resp.raise_for_status()
                 async for line in resp.aiter_lines():
                     if not line.startswith("data:") or line.strip() == "data: [DONE]":
                         continue
                     chunk = json.loads(line[5:])
-                    n = sum(len(c.get("token_ids") or []) for c in chunk.get("choices", []))
-                    now = time.perf_counter()
-                    if not n or not window.open:
-                        continue
-                    if first:
-                        point.ttft_s.append(now - sent)
-                        first = False
-                    else:
-                        point.gaps_s.append(now - last)
-                    point.gaps_s += [0.0] * (n - 1)
-                    last = now
-                    point.tokens += n
+                    arrivals.tokens(sum(len(c.get("token_ids") or []) for c in chunk.get("choices", [])))
             if window.open:
                 point.requests += 1
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -248,33 +249,54 @@ class ConversationStore:
             self.session.add(msg)
             parent, parent_hash = msg, key
         assert parent is not None
-        base_seed = sampling.seed if sampling.seed is not None else secrets.randbelow(2**62)
-        assistants = []
-        for i in range(n):
-            work = WorkParameters(
+        assistants = pending_assistants(
+            self.session,
+            chat.id,
+            parent.id,
+            n,
+            sampling,
+            lambda seed: WorkParameters(
                 model_config_name=model,
                 sampling_parameters=sampling,
-                seed=(base_seed + i) % 2**63,
+                seed=seed,
                 system_prompt=conv.system_prompt,
                 tools=tools,
                 **extra_params,
-            )
-            msg = Message(
-                id=new_id(),
-                chat_id=chat.id,
-                parent_id=parent.id,
-                role="assistant",
-                state=MessageState.pending.value,
-                model_config_name=model,
-                work_parameters=work.model_dump(mode="json", exclude_none=True),
-                attempt=1,
-            )
-            self.session.add(msg)
-            assistants.append(msg)
+            ),
+        )
         chat.modified_at = utcnow()
         chat.active_thread_tail_message_id = assistants[0].id
         await self.session.commit()
         return Continued(chat, assistants, matched, forked, len(tail), parent.id)
+
+
+def pending_assistants(
+    session: AsyncSession,
+    chat_id: str,
+    parent_id: str,
+    n: int,
+    sampling: SamplingParameters,
+    work: Callable[[int], WorkParameters],
+) -> list[Message]:
+    """``n`` sibling assistant messages to generate, seeded ``seed``, ``seed + 1``... (a random
+    base seed when the request gives none)."""
+    base_seed = sampling.seed if sampling.seed is not None else secrets.randbelow(2**62)
+    out = []
+    for i in range(n):
+        params = work((base_seed + i) % 2**63)
+        msg = Message(
+            id=new_id(),
+            chat_id=chat_id,
+            parent_id=parent_id,
+            role="assistant",
+            state=MessageState.pending.value,
+            model_config_name=params.model_config_name,
+            work_parameters=params.model_dump(mode="json", exclude_none=True),
+            attempt=1,
+        )
+        session.add(msg)
+        out.append(msg)
+    return out
 
 
 async def store_raw(
@@ -298,24 +320,14 @@ async def store_raw(
         id=new_id(), chat_id=chat.id, parent_id=None, role="prompter", content=text, state=MessageState.manual.value
     )
     session.add(prompt)
-    base_seed = sampling.seed if sampling.seed is not None else secrets.randbelow(2**62)
-    assistants = []
-    for i in range(n):
-        work = WorkParameters(
-            model_config_name=model, sampling_parameters=sampling, seed=(base_seed + i) % 2**63, raw_prompt=raw
-        )
-        msg = Message(
-            id=new_id(),
-            chat_id=chat.id,
-            parent_id=prompt.id,
-            role="assistant",
-            state=MessageState.pending.value,
-            model_config_name=model,
-            work_parameters=work.model_dump(mode="json", exclude_none=True),
-            attempt=1,
-        )
-        session.add(msg)
-        assistants.append(msg)
+    assistants = pending_assistants(
+        session,
+        chat.id,
+        prompt.id,
+        n,
+        sampling,
+        lambda seed: WorkParameters(model_config_name=model, sampling_parameters=sampling, seed=seed, raw_prompt=raw),
+    )
     chat.active_thread_tail_message_id = assistants[0].id
     await session.commit()
     return chat, assistants

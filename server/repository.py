@@ -155,9 +155,12 @@ class ChatRepository:
         return ChatRead(**chat_to_list_read(chat).model_dump(), messages=[message_to_read(m) for m in msgs])
 
     async def get_message(self, chat_id: str, message_id: str) -> Message:
-        await self.get_chat(chat_id)
-        msg = await self.session.scalar(select(Message).where(Message.id == message_id, Message.chat_id == chat_id))
+        q = select(Message).where(Message.id == message_id, Message.chat_id == chat_id)
+        if chat_id not in self._chats:  # the ownership check in the same statement
+            q = q.join(Chat, Chat.id == Message.chat_id).where(Chat.user_id == self.user.id)
+        msg = await self.session.scalar(q)
         if msg is None:
+            await self.get_chat(chat_id)  # chat_not_found when it is the chat that is missing
             raise ApiError(ErrorCode.message_not_found, f"message {message_id} not found in chat {chat_id}")
         return msg
 

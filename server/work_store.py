@@ -157,13 +157,27 @@ class WorkStore:
         key = chain_hash(parent_hash, normalized("assistant", record.content, record.tool_calls))
         await s.execute(update(Message).where(Message.id == message_id).values(chain_hash=key))
 
-    async def store(self, message_id: str, attempt: int, record: GenerationRecord) -> bool:
-        """Write the finished record and complete the message, once, in one transaction."""
+    async def store(
+        self,
+        message_id: str,
+        attempt: int,
+        record: GenerationRecord,
+        *,
+        parent_chain: str | None = None,
+        chain_known: bool = False,
+    ) -> bool:
+        """Write the finished record and complete the message, once, in one transaction.
+        ``chain_known``: the caller knows the parent's chain hash (``parent_chain``, None if the
+        path is not indexed), so the prefix index costs no extra statement."""
+        index: dict[str, str] = {}
+        if chain_known and parent_chain is not None:
+            index["chain_hash"] = chain_hash(parent_chain, normalized("assistant", record.content, record.tool_calls))
         async with self.sessions() as s, s.begin():
             res = await s.execute(
                 update(Message)
                 .where(Message.id == message_id, Message.attempt == attempt, Message.state.in_(_OPEN_STATES))
                 .values(
+                    **index,
                     state=MessageState.complete.value,
                     content=record.content,
                     reasoning_content=record.reasoning_content,
@@ -176,7 +190,8 @@ class WorkStore:
             )
             if not res.rowcount:  # type: ignore[attr-defined]
                 return False
-            await self._index(s, message_id, record)
+            if not chain_known:
+                await self._index(s, message_id, record)
             s.add(
                 MessageTokens(
                     message_id=message_id,

@@ -74,6 +74,8 @@ class RpcFailed(Exception):
 class InFlight:
     item: WorkItem
     next_index: int  # index the next tokens frame must start at
+    parent_chain: str | None = None  # the parent's chain hash (prefix index), known once dispatched
+    chain_known: bool = False
 
 
 @dataclass
@@ -414,6 +416,7 @@ class WorkerHub:
             required_prefix_ids=params.required_prefix_ids,
         )
         inflight.next_index = len(resume.token_ids) if resume else 0
+        inflight.parent_chain, inflight.chain_known = (path[-1].chain_hash if path else None), True
         await conn.send(frame)
         return True
 
@@ -492,7 +495,13 @@ class WorkerHub:
                     frame.message_id,
                     TokenBatch(tail, record.completion_ids[tail:], record.logprobs[tail:], texts),
                 )
-        stored = await self.store.store(frame.message_id, frame.attempt, record)
+        stored = await self.store.store(
+            frame.message_id,
+            frame.attempt,
+            record,
+            parent_chain=inflight.parent_chain,
+            chain_known=inflight.chain_known,
+        )
         conn.inflight.pop(frame.message_id, None)
         if stored:
             await self.streams.finish(frame.message_id, StreamDone("complete"))

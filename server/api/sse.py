@@ -52,13 +52,16 @@ def _token_events(batch: TokenBatch, after: int) -> bytes:
     return b"".join(parts)
 
 
-async def _final_events(state: AppState, message_id: str, after: int) -> list[ServerSentEvent | bytes]:
-    """Replay from SQL: tokens after ``after``, then the final message or error event."""
+async def _final_events(
+    state: AppState, message_id: str, after: int, *, replay: bool = True
+) -> list[ServerSentEvent | bytes]:
+    """From SQL: the tokens after ``after`` (unless ``replay`` is off: the reader has them all from
+    the stream), then the final message or error event."""
     async with state.sessions() as s:
         msg = await s.get(Message, message_id)
         if msg is None:
             return [_event(ErrorEvent(error="message was deleted", code="message_not_found"))]
-        tokens = await s.get(MessageTokens, message_id)
+        tokens = await s.get(MessageTokens, message_id) if replay else None
     out: list[ServerSentEvent | bytes] = []
     if tokens is not None:
         ids = unpack_ids(tokens.completion_ids)
@@ -114,7 +117,7 @@ async def message_events(state: AppState, msg: Message, after: int) -> AsyncIter
                 after = entry.from_index - 1
                 yield _event(ResetEvent(from_index=entry.from_index))
             elif isinstance(entry, StreamDone):
-                for ev in (await _final_events(state, msg.id, after))[-1:]:
+                for ev in await _final_events(state, msg.id, after, replay=False):
                     yield ev
                 return
 

@@ -152,6 +152,26 @@ class Arrivals:
         self.point.tokens += n
 
 
+def services_cpu_s() -> dict[str, float]:
+    """CPU seconds so far of the local PostgreSQL and Redis processes (by command name): they share
+    the machine with tokentrail in the PostgreSQL + Redis arm."""
+    out = {"postgres": 0.0, "redis": 0.0}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                head, _, rest = f.read().rpartition(")")
+        except OSError:
+            continue
+        name = head.partition("(")[2]
+        kind = "postgres" if name.startswith("postgres") else "redis" if name.startswith("redis-server") else None
+        if kind is not None:
+            fields = rest.split()
+            out[kind] += (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return out
+
+
 class Window:
     """The measured window of one point: tokens count only while it is open."""
 
@@ -288,9 +308,11 @@ async def tokentrail_points(
         for c in levels:
             point = Point(arm, c)
             before = {name: tree_cpu_s(pid) for name, pid in pids.items()}
+            services = services_cpu_s() if arm == "redis" else {}
             client_cpu = time.process_time()
             await _closed_loop(point, Window(duration), c, one)
             point.cpu_s = {name: tree_cpu_s(pid) - before[name] for name, pid in pids.items()}
+            point.cpu_s.update({k: v - services[k] for k, v in services_cpu_s().items() if k in services})
             # the benchmark's own HTTP + SSE clients share the machine (the engine arm has none)
             point.cpu_s["client"] = time.process_time() - client_cpu
             points.append(point)
@@ -565,7 +587,7 @@ def ratios(points: list[Point]) -> list[dict[str, Any]]:
 
 def print_table(points: list[Point]) -> None:
     cols = ["arm", "c", "tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "server ms/tok", "worker ms/tok",
-            "client ms/tok"]  # fmt: skip
+            "client ms/tok", "pg+redis ms/tok"]  # fmt: skip
     print(" | ".join(f"{c:>13}" for c in cols))
     for p in points:
         s = p.summary()
@@ -574,13 +596,19 @@ def print_table(points: list[Point]) -> None:
         )
         vals = [s["arm"], s["concurrency"], s["tokens_per_s"], s["ttft_p50_ms"], s["ttft_p99_ms"], s["itl_p50_ms"],
                 s["itl_p99_ms"], s.get("server_cpu_ms_per_token", "-"), worker,
-                s.get("client_cpu_ms_per_token", "-")]  # fmt: skip
+                s.get("client_cpu_ms_per_token", "-"),
+                _sum(s.get("postgres_cpu_ms_per_token"), s.get("redis_cpu_ms_per_token"))]  # fmt: skip
         print(" | ".join(f"{'-' if v is None else v!s:>13}" for v in vals))
     rows = ratios(points)
     if rows:
         print()
         for r in rows:
             print("  " + ", ".join(f"{k}={v}" for k, v in r.items()))
+
+
+def _sum(*values: float | None) -> float | str:
+    present = [v for v in values if v is not None]
+    return round(sum(present), 3) if present else "-"
 
 
 def plot(points: list[Point], path: Path) -> None:

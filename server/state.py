@@ -32,3 +32,4 @@ class AppState:
     hub: WorkerHub
     redis: Redis | None
     auth_cache: dict[str, tuple[float, User]] = field(default_factory=dict)  # token -> (expiry, user)
+    offered_cache: tuple[float, frozenset[str]] = (0.0, frozenset())  # (when, models offered then)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+import time
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request, Response
@@ -43,6 +44,21 @@ async def offered_models(state: StateDep) -> dict[str, ModelConfigRead]:
                 name=w.model_name, compat_hash=w.compat_hash, engine=w.engine, max_context=w.max_context
             )
     return models
+
+
+_OFFERED_TTL_S = 1.0
+
+
+async def is_offered(state: StateDep, model: str) -> bool:
+    """Whether a connected worker offers ``model``. A positive answer is reused for a second (every
+    assistant message asks); a negative one is always checked afresh, so a worker that just
+    connected is seen at once."""
+    seen_at, names = state.offered_cache
+    if model in names and time.monotonic() - seen_at < _OFFERED_TTL_S:
+        return True
+    names = frozenset(await offered_models(state))
+    state.offered_cache = (time.monotonic(), names)
+    return model in names
 
 
 @configs_router.get("/model_configs")
@@ -108,7 +124,7 @@ async def create_assistant_message(
     chat_id: str, body: CreateAssistantMessageRequest, repo: RepoDep, state: StateDep
 ) -> MessageRead:
     await repo.get_chat(chat_id)  # 404 before 422 for an unknown chat
-    if body.model_config_name not in await offered_models(state):
+    if not await is_offered(state, body.model_config_name):
         raise ApiError(
             ErrorCode.unknown_model,
             f"no connected worker offers model {body.model_config_name!r}; see GET /configs/model_configs",

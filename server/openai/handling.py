@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from server.api.chats import offered_models
+from server.api.chats import is_offered, offered_models
 from server.errors import ApiError
 from server.models import Message
 from server.openai.follow import Finished, Progress, follow
@@ -25,7 +25,7 @@ from shared.protocol import RpcMethod
 
 
 async def require_model(state: AppState, model: str) -> None:
-    if model not in await offered_models(state):
+    if not await is_offered(state, model):
         raise ApiError(
             ErrorCode.model_not_found,
             f"The model `{model}` does not exist or no worker serves it now; see GET /v1/models",

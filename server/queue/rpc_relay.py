@@ -13,10 +13,13 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
+
+from server.queue.redis import max_block_s
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -26,6 +29,7 @@ log = logging.getLogger(__name__)
 _REQUESTS = "tokentrail:rpc:{}"  # one list per server process
 _REPLY = "tokentrail:rpc-reply:{}"  # one list per call
 _EXPIRE_S = 60
+_STOP = b"stop"  # pushed onto a process's own request list to end its loop
 
 # (model, method, params) -> result; raises RelayError for an answer that is an error
 Handler = Callable[[str, str, dict[str, Any]], Awaitable[dict[str, Any]]]
@@ -45,17 +49,35 @@ class RedisRpcRelay:
     def __init__(self, redis: Redis, server_id: str) -> None:
         self.redis = redis
         self.server_id = server_id
+        # redis-py applies its socket timeout to blocking commands too: block less than it, in a loop
+        self._block_s = max(1, int(max_block_s(redis)))
         self._task: asyncio.Task[None] | None = None
         self._calls: set[asyncio.Task[None]] = set()
+        self._stopping = False
 
     def start(self, handler: Handler) -> None:
         self._task = asyncio.create_task(self._serve(handler), name="tokentrail-rpc-relay")
 
     async def stop(self) -> None:
-        tasks = [t for t in [self._task, *self._calls] if t is not None]
-        for t in tasks:
+        calls = list(self._calls)
+        for t in calls:
             t.cancel()
-        for t in tasks:
+        task, self._task = self._task, None
+        if task is not None:
+            # Let the loop leave its BLPOP (a stop entry makes it return at once) rather than
+            # cancel it mid-command: redis-py can hang tearing down a cancelled blocking read.
+            self._stopping = True
+            with contextlib.suppress(Exception):
+                await self.redis.rpush(_REQUESTS.format(self.server_id), _STOP)
+            try:
+                await asyncio.wait_for(asyncio.shield(task), timeout=self._block_s + 2)
+            except (TimeoutError, Exception):
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+            with contextlib.suppress(Exception):
+                await self.redis.delete(_REQUESTS.format(self.server_id))
+        for t in calls:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
 
@@ -69,9 +91,13 @@ class RedisRpcRelay:
             pipe.rpush(key, body)
             pipe.expire(key, _EXPIRE_S)
             await pipe.execute()
-        reply = await self.redis.blpop([_REPLY.format(call_id)], timeout=max(1, round(timeout_s)))
-        if reply is None:
-            raise RelayTimeout(f"server {server_id} did not answer within {timeout_s:.0f}s")
+        deadline = time.monotonic() + timeout_s
+        reply = None
+        while reply is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RelayTimeout(f"server {server_id} did not answer within {timeout_s:.0f}s")
+            reply = await self.redis.blpop([_REPLY.format(call_id)], timeout=max(1, min(self._block_s, round(left))))
         answer = orjson.loads(reply[1])
         if "result" in answer:
             return dict(answer["result"])
@@ -79,16 +105,16 @@ class RedisRpcRelay:
 
     async def _serve(self, handler: Handler) -> None:
         key = _REQUESTS.format(self.server_id)
-        while True:
+        while not self._stopping:
             try:
-                item = await self.redis.blpop([key], timeout=5)
+                item = await self.redis.blpop([key], timeout=self._block_s)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis briefly away: keep serving once it is back
                 log.warning("rpc relay: reading %s failed: %s", key, exc)
                 await asyncio.sleep(1)
                 continue
-            if item is None:
+            if item is None or item[1] in (_STOP, _STOP.decode()):
                 continue
             task = asyncio.create_task(self._answer(handler, orjson.loads(item[1])))
             self._calls.add(task)

@@ -63,6 +63,7 @@ class StreamMux:
         self._reading: set[str] = set()  # streams of the XREAD in flight
         self._task: asyncio.Task[None] | None = None
         self._work = asyncio.Event()
+        self._closing = False
 
     async def read(self, key: str, after: int, timeout_s: float) -> list[tuple[str, Any]] | None:
         """Raw entries of ``key`` holding tokens after ``after`` (waiting up to ``timeout_s``), or None
@@ -91,16 +92,26 @@ class StreamMux:
             watch.last_asked = time.monotonic()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        task, self._task = self._task, None
+        if task is not None:
+            # End the loop through the wake stream rather than cancel a blocked XREAD mid-command
+            # (redis-py can hang tearing that down).
+            self._closing = True
+            self._work.set()
+            with contextlib.suppress(Exception):
+                await self.redis.xadd(self.wake_key, {"w": 1}, maxlen=8, approximate=True)
+            try:
+                await asyncio.wait_for(asyncio.shield(task), timeout=self.block_s + 2)
+            except (TimeoutError, Exception):
+                task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+                await task
         with contextlib.suppress(Exception):
             await self.redis.delete(self.wake_key)
 
     def _ensure_running(self) -> None:
         self._work.set()
-        if self._task is None or self._task.done():
+        if not self._closing and (self._task is None or self._task.done()):
             self._task = asyncio.get_running_loop().create_task(self._run(), name="tokentrail-stream-mux")
 
     async def _wake(self) -> None:
@@ -109,7 +120,7 @@ class StreamMux:
                 await self.redis.xadd(self.wake_key, {"w": 1}, maxlen=8, approximate=True)
 
     async def _run(self) -> None:
-        while True:
+        while not self._closing:
             self._drop_idle()
             wanted = {k: w for k, w in self._watches.items() if w.waiters and not w.done}
             if not wanted:

@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Response
-from fastapi.responses import StreamingResponse
 
 from server.api.chats import offered_models
 from server.api.deps import CurrentUser, SessionDep, StateDep
@@ -26,6 +25,7 @@ from server.openai.handling import (
     collect,
     enqueue,
     error_chunk,
+    event_stream,
     failure,
     require_model,
     sampling_params,
@@ -55,8 +55,6 @@ from shared.openai_api import (
 from shared.packing import unpack_ids
 
 router = APIRouter(tags=["openai"])
-
-_STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @router.get("/v1/models")
@@ -143,7 +141,7 @@ async def _chat(
     ctx = _ChatContext(body, f"chatcmpl-{ids[0]}", created, cont.forked, request_info)
     if body.stream:
         chunks = Merge([ctx.choice_chunks(state, i, mid) for i, mid in enumerate(ids)])
-        return StreamingResponse(ctx.stream(chunks), media_type="text/event-stream", headers=_STREAM_HEADERS)
+        return event_stream(ctx.stream(chunks))
     results = await asyncio.gather(*(collect(state, mid) for mid in ids))
     return Response(dumps(ctx.body(results)), media_type="application/json")
 

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Response
-from fastapi.responses import StreamingResponse
 
 from server.api.deps import CurrentUser, SessionDep, StateDep
 from server.errors import ApiError
@@ -28,6 +27,7 @@ from server.openai.handling import (
     collect,
     enqueue,
     error_chunk,
+    event_stream,
     failure,
     require_model,
     resolve_model,
@@ -56,7 +56,6 @@ from shared.packing import unpack_ids
 
 router = APIRouter(tags=["openai"])
 
-_STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _MAX_CHOICES = 64  # prompts x n in one request
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for text completions
 
@@ -140,7 +139,7 @@ async def completions(body: CompletionRequest, user: CurrentUser, session: Sessi
     ctx = _CompletionContext(body, f"cmpl-{jobs[0].message_id}", int(time.time()), top)
     if body.stream:
         chunks = Merge([ctx.chunks(state, job) for job in jobs])
-        return StreamingResponse(ctx.stream(chunks), media_type="text/event-stream", headers=_STREAM_HEADERS)
+        return event_stream(ctx.stream(chunks))
     results = await asyncio.gather(*(collect(state, job.message_id) for job in jobs))
     return Response(dumps(ctx.body(jobs, results)), media_type="application/json")
 
@@ -295,11 +294,7 @@ async def generate(body: GenerateRequest, user: CurrentUser, session: SessionDep
     request_id = body.request_id or f"gen-{msgs[0].id}"
     want_lps = sp.logprobs is not None
     if body.stream:
-        return StreamingResponse(
-            _generate_stream(state, body, request_id, [m.id for m in msgs], top, want_lps),
-            media_type="text/event-stream",
-            headers=_STREAM_HEADERS,
-        )
+        return event_stream(_generate_stream(state, body, request_id, [m.id for m in msgs], top, want_lps))
     results = await asyncio.gather(*(collect(state, m.id) for m in msgs))
     choices = []
     completion = 0

@@ -8,6 +8,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from server.api.chats import is_offered, offered_models
@@ -168,3 +169,9 @@ class Merge:
             for t in tasks:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
+
+
+def event_stream(chunks: AsyncIterator[bytes]) -> StreamingResponse:
+    """Pre-encoded SSE chunks as a response that proxies must not buffer."""
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)

@@ -335,7 +335,12 @@ def tokentrail_stack(
 
     data = work / "data"
     data.mkdir(exist_ok=True)
-    env = {"TOKENTRAIL_DATA_DIR": str(data), "TOKENTRAIL_ALLOW_DEBUG_AUTH": "true", **(env or {})}
+    env = {
+        "TOKENTRAIL_DATA_DIR": str(data),
+        "TOKENTRAIL_ALLOW_DEBUG_AUTH": "true",
+        "TOKENTRAIL_RATE_LIMIT_PER_MINUTE": "0",  # a load generator, not a user to be slowed down
+        **(env or {}),
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:

@@ -11,6 +11,7 @@ from fastapi import APIRouter, FastAPI, WebSocket
 from fastapi.responses import JSONResponse
 
 from server import migrate
+from server.admission import RateLimiter
 from server.api.admin import router as admin_router
 from server.api.auth import router as auth_router
 from server.api.chats import configs_router
@@ -22,6 +23,7 @@ from server.api.tokenizer import router as tokenizer_router
 from server.auth import TokenSigner
 from server.db import create_engine, create_session_factory, ping
 from server.queue.protocol import WorkerDirectory, WorkQueue
+from server.request_guard import RequestGuard
 from server.settings import ServerSettings
 from server.state import AppState
 from server.streams.protocol import TokenStreams
@@ -98,7 +100,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
             from server.queue.rpc_relay import RedisRpcRelay
 
             hub.relay = RedisRpcRelay(redis, hub.server_id)
-        app.state.tt = AppState(settings, engine, sessions, queue, directory, streams, signer, hub, redis)
+        limiter = RateLimiter(settings.rate_limit_per_minute, settings.rate_limit_burst, redis)
+        app.state.tt = AppState(settings, engine, sessions, queue, directory, streams, signer, hub, redis, limiter)
         hub.start()
         try:
             yield
@@ -113,6 +116,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="tokentrail", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes)
     app.include_router(health_router)
     app.include_router(auth_router)
     app.include_router(configs_router)

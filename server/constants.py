@@ -13,3 +13,4 @@ WORK_TICKET = PREFIX + "ticket:{message_id}"
 TOKEN_STREAM = PREFIX + "tokens:{message_id}"
 # Models offered by connected workers: hash field per worker, refreshed by heartbeats.
 WORKER_DIRECTORY = PREFIX + "workers"
+MODELS_SEEN = PREFIX + "models_seen"  # model -> wall-clock time a worker last offered it

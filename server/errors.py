@@ -51,6 +51,20 @@ _OPENAI_TYPES = {
 }
 
 
+def is_unavailable(exc: BaseException) -> bool:
+    """A database or Redis connection problem (down, restarting, pool exhausted), not a bug."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+    from sqlalchemy.exc import DBAPIError, OperationalError
+    from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+    if isinstance(exc, RedisConnectionError | RedisTimeoutError | PoolTimeout | OperationalError | ConnectionError):
+        return True
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return True
+    return isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError | PermissionError)
+
+
 def is_openai_path(path: str) -> bool:
     return path.startswith(_OPENAI_PREFIXES)
 
@@ -113,6 +127,14 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        if is_unavailable(exc):  # the database or Redis away or saturated: retry, not a bug
+            log.warning("%s %s: a backing service is unavailable: %r", request.method, request.url.path, exc)
+            detail = "a backing service (database or Redis) is unavailable; retry shortly"
+            headers = {"Retry-After": "2"}
+            if is_openai_path(request.url.path):
+                body = openai_error_body(503, detail, ErrorCode.not_ready.value)
+                return JSONResponse(body, status_code=503, headers=headers)
+            return JSONResponse({"detail": detail, "code": ErrorCode.not_ready.value}, status_code=503, headers=headers)
         log.exception("unhandled error", exc_info=exc)
         if is_openai_path(request.url.path):
             body = openai_error_body(500, "internal error", ErrorCode.internal_error.value)

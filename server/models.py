@@ -23,6 +23,7 @@ from sqlalchemy import (
     LargeBinary,
     String,
     Text,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -38,6 +39,9 @@ def new_id() -> str:
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+_OPEN = text("state IN ('pending', 'in_progress')")
 
 
 class Base(DeclarativeBase):
@@ -97,7 +101,11 @@ class Chat(Base):
 
 class Message(Base):
     __tablename__ = "messages"
-    __table_args__ = (Index("ix_messages_chat_id_id", "chat_id", "id"),)
+    __table_args__ = (
+        Index("ix_messages_chat_id_id", "chat_id", "id"),
+        # non-terminal messages only: what the sweep and the per-user queue share look for
+        Index("ix_messages_open", "state", "modified_at", sqlite_where=_OPEN, postgresql_where=_OPEN),
+    )
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
     chat_id: Mapped[str] = mapped_column(ForeignKey("chats.id", ondelete="CASCADE"))

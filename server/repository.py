@@ -11,12 +11,13 @@ import base64
 import binascii
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.errors import ApiError
 from server.models import Chat, Message, MessageTokens, User, new_id, utcnow
 from shared.api import (
+    MAX_MESSAGES_PER_CHAT,
     ChatListRead,
     ChatRead,
     MessageRead,
@@ -176,9 +177,7 @@ class ChatRepository:
             if parent.state != MessageState.complete:
                 raise ApiError(ErrorCode.parent_not_complete, f"parent message is {parent.state}, not complete")
         msg = Message(chat_id=chat.id, parent_id=parent_id, role="prompter", content=content, state=MessageState.manual)
-        self._touch(chat, msg)
-        self.session.add(msg)
-        await self.session.commit()
+        await self._add(chat, msg)
         return msg
 
     async def add_assistant_message(
@@ -207,9 +206,7 @@ class ChatRepository:
             work_parameters=work.model_dump(mode="json"),
             attempt=1,
         )
-        self._touch(chat, msg)
-        self.session.add(msg)
-        await self.session.commit()
+        await self._add(chat, msg)
         return msg
 
     async def add_tool_message(self, chat_id: str, parent_id: str, tool_call_id: str, content: str) -> Message:
@@ -237,9 +234,7 @@ class ChatRepository:
             tool_call_id=tool_call_id,
             state=MessageState.manual,
         )
-        self._touch(chat, msg)
-        self.session.add(msg)
-        await self.session.commit()
+        await self._add(chat, msg)
         return msg
 
     async def vote(self, chat_id: str, message_id: str, score: int) -> Message:
@@ -250,10 +245,23 @@ class ChatRepository:
         await self.session.commit()
         return msg
 
-    async def fail_message(self, msg: Message, code: ErrorCode, error: str) -> None:
-        msg.state = MessageState.aborted_by_worker
-        msg.error, msg.error_code = error, code.value
-        msg.modified_at = utcnow()
+    async def discard_message(self, msg: Message) -> None:
+        """Delete a message that was never queued (a refused request); its parent is the tail again."""
+        chat = await self.get_chat(msg.chat_id)
+        if chat.active_thread_tail_message_id == msg.id:
+            chat.active_thread_tail_message_id = msg.parent_id
+        await self.session.delete(msg)
+        await self.session.commit()
+
+    async def _add(self, chat: Chat, msg: Message) -> None:
+        count = await self.session.scalar(select(func.count()).select_from(Message).where(Message.chat_id == chat.id))
+        if (count or 0) >= MAX_MESSAGES_PER_CHAT:
+            raise ApiError(
+                ErrorCode.chat_too_long,
+                f"this chat holds {MAX_MESSAGES_PER_CHAT} messages, the most a chat can hold; start a new chat",
+            )
+        self._touch(chat, msg)
+        self.session.add(msg)
         await self.session.commit()
 
     def _touch(self, chat: Chat, msg: Message) -> None:

@@ -34,14 +34,28 @@ class ServerSettings(BaseSettings):
     migrate_on_start: bool | None = None  # None: only in embedded mode
 
     max_queue_size: int = 1000
+    # Fair load (server/admission.py): generations per user per minute (0: no limit) and burst, and
+    # the share of a model's queue one user's open generations may take.
+    rate_limit_per_minute: int = 600
+    rate_limit_burst: int = 60
+    user_queue_share: float = Field(default=0.5, gt=0.0, le=1.0)
     max_attempts: int = 3
     pending_event_interval_s: float = 1.0
     worker_heartbeat_interval_s: float = 5.0
     worker_timeout_s: float = 20.0
     # A claimed work item untouched this long belongs to a dead server process and is reclaimed.
-    reclaim_idle_s: float = 60.0
+    reclaim_idle_s: float = 20.0
+    # The sweep (DESIGN D3: the database is the source of truth): every sweep_interval_s, open
+    # messages older than sweep_grace_s whose queue entry or worker is gone are requeued.
+    sweep_interval_s: float = 10.0
+    # A model whose workers all went away is still accepted (queued) for this long; after it, its
+    # waiting messages fail with no_worker and new requests get unknown_model.
+    model_grace_s: float = 60.0
+    sweep_grace_s: float = 30.0
     token_stream_expire_s: float = 300.0
     redis_pool_size: int = 512
+    # Largest request body (bytes), refused before it is read (413 request_too_large).
+    max_body_bytes: int = 8 * 2**20
 
     @property
     def embedded(self) -> bool:

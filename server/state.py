@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from server.admission import RateLimiter
 from server.auth import TokenSigner
 from server.db import SessionFactory
 from server.queue.protocol import WorkerDirectory, WorkQueue
@@ -31,5 +32,6 @@ class AppState:
     signer: TokenSigner
     hub: WorkerHub
     redis: Redis | None
+    rate_limiter: RateLimiter
     auth_cache: dict[str, tuple[float, User]] = field(default_factory=dict)  # token -> (expiry, user)
     offered_cache: tuple[float, frozenset[str]] = (0.0, frozenset())  # (when, models offered then)

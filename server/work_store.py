@@ -6,13 +6,15 @@ that was presumed lost, a redelivered queue entry) can never overwrite newer sta
 
 from __future__ import annotations
 
-from sqlalchemy import select, update
+from datetime import datetime
+
+from sqlalchemy import delete, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import aliased
 
 from server.db import SessionFactory
-from server.models import Message, MessageTokens, utcnow
+from server.models import Chat, Message, MessageTokens, utcnow
 from server.repository import decode_stop_reason, encode_stop_reason
 from shared.api import FINISHED_STATES, MessageState, WorkParameters
 from shared.chain import chain_hash, normalized
@@ -129,6 +131,29 @@ class WorkStore:
             )
             await s.commit()
             return attempt + 1 if res.rowcount else None  # type: ignore[attr-defined]
+
+    async def open_before(self, cutoff: datetime, limit: int = 1000) -> list[Message]:
+        """Pending and in-progress messages last changed before ``cutoff`` (the partial index)."""
+        async with self.sessions() as s:
+            rows = await s.scalars(
+                select(Message)
+                .where(Message.state.in_(_OPEN_STATES), Message.modified_at < cutoff)
+                .order_by(Message.modified_at)
+                .limit(limit)
+            )
+            return list(rows.all())
+
+    async def discard(self, message_ids: list[str]) -> None:
+        """Delete assistant messages that were never queued (their request was refused)."""
+        async with self.sessions() as s, s.begin():
+            await s.execute(
+                update(Chat)
+                .where(Chat.active_thread_tail_message_id.in_(message_ids))
+                .values(active_thread_tail_message_id=None)
+            )
+            await s.execute(
+                delete(Message).where(Message.id.in_(message_ids), Message.state == MessageState.pending.value)
+            )
 
     async def fail(self, message_id: str, attempt: int | None, code: ErrorCode | str, error: str) -> bool:
         async with self.sessions() as s:

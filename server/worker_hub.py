@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from fastapi import WebSocket, WebSocketDisconnect
@@ -23,18 +25,22 @@ from sqlalchemy import select
 
 from server.auth import hash_key
 from server.db import SessionFactory
-from server.models import WorkerKey
-from server.queue.protocol import WorkerDirectory, WorkerEntry, WorkItem, WorkQueue
+from server.models import WorkerKey, utcnow
+from server.queue.protocol import QueueFull, WorkerDirectory, WorkerEntry, WorkItem, WorkQueue
 from server.queue.rpc_relay import RedisRpcRelay, RelayError, RelayTimeout
 from server.settings import ServerSettings
 from server.streams.protocol import StreamConflict, StreamDone, TokenBatch, TokenStreams
 from server.work_store import WorkStore
+from shared.api import MessageState
 from shared.errors import ErrorCode
 from shared.protocol import (
     FEATURE_BATCH,
+    FEATURE_DRAIN,
     FEATURE_RPC,
     PROTOCOL_VERSION,
+    CancelFrame,
     CreditFrame,
+    DrainFrame,
     ErrorFrame,
     FailedFrame,
     FinishedFrame,
@@ -76,6 +82,7 @@ class InFlight:
     next_index: int  # index the next tokens frame must start at
     parent_chain: str | None = None  # the parent's chain hash (prefix index), known once dispatched
     chain_known: bool = False
+    streamed: list[int] = field(default_factory=list)  # token ids readers have seen (resumed ones too)
 
 
 @dataclass
@@ -89,8 +96,11 @@ class WorkerConnection:
     last_seen: float = field(default_factory=time.monotonic)
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     calls: dict[str, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)  # rpc id -> answer
+    draining: bool = False  # the worker is shutting down: no more work for it
 
-    async def send(self, frame: WorkFrame | HeartbeatFrame | WelcomeFrame | ErrorFrame | RpcFrame) -> None:
+    async def send(
+        self, frame: WorkFrame | HeartbeatFrame | WelcomeFrame | ErrorFrame | RpcFrame | CancelFrame
+    ) -> None:
         async with self.send_lock:
             await self.ws.send_text(frame.model_dump_json())
 
@@ -122,22 +132,26 @@ class WorkerHub:
         self.store = WorkStore(sessions)
         self.connections: dict[str, WorkerConnection] = {}
         self._reaper: asyncio.Task[None] | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+        self.swept = 0  # messages the sweep requeued (tests and logs)
         self.server_id = secrets.token_hex(4)
         self.relay: RedisRpcRelay | None = None  # tokenizer calls to workers of other server processes
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         self._reaper = asyncio.create_task(self._reap_forever(), name="tokentrail-reaper")
+        self._sweeper = asyncio.create_task(self._sweep_forever(), name="tokentrail-sweeper")
         if self.relay is not None:
             self.relay.start(self._relayed)
 
     async def stop(self) -> None:
         if self.relay is not None:
             await self.relay.stop()
-        if self._reaper:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
+        for task in (self._reaper, self._sweeper):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for conn in list(self.connections.values()):
             with contextlib.suppress(Exception):
                 await conn.ws.close(code=1001)
@@ -175,7 +189,7 @@ class WorkerHub:
                 WelcomeFrame(
                     worker_id=conn.id,
                     heartbeat_interval_s=self.settings.worker_heartbeat_interval_s,
-                    features=[FEATURE_BATCH],
+                    features=[FEATURE_BATCH, FEATURE_DRAIN],
                 )
             )
             async with asyncio.TaskGroup() as tg:
@@ -244,8 +258,13 @@ class WorkerHub:
 
     async def _on_frame(self, conn: WorkerConnection, frame: WorkerFrame) -> None:
         if isinstance(frame, CreditFrame):
-            conn.credits += frame.credits
-            conn.credit_event.set()
+            if not conn.draining:
+                conn.credits += frame.credits
+                conn.credit_event.set()
+        elif isinstance(frame, DrainFrame):
+            log.info("worker %s is draining (%d messages in hand)", conn.id, len(conn.inflight))
+            conn.draining = True
+            conn.credits = 0
         elif isinstance(frame, TokensFrame | FinishedFrame | FailedFrame):
             await self._handle(conn, frame)
         elif isinstance(frame, RpcResultFrame):
@@ -416,6 +435,7 @@ class WorkerHub:
             required_prefix_ids=params.required_prefix_ids,
         )
         inflight.next_index = len(resume.token_ids) if resume else 0
+        inflight.streamed = list(resume.token_ids) if resume else []
         inflight.parent_chain, inflight.chain_known = (path[-1].chain_hash if path else None), True
         await conn.send(frame)
         return True
@@ -444,8 +464,9 @@ class WorkerHub:
             return None
         return inflight
 
-    def _token_batch(self, conn: WorkerConnection, frame: TokensFrame) -> tuple[InFlight, TokenBatch] | None:
-        """The stream batch of a tokens frame of current work, or None (stale, empty or malformed)."""
+    def _token_batch(self, conn: WorkerConnection, frame: TokensFrame) -> tuple[InFlight, TokenBatch | str] | None:
+        """The stream batch of a tokens frame of current work, or what is wrong with the frame;
+        None for a stale or empty frame."""
         inflight = self._current(conn, frame.message_id, frame.attempt)
         if inflight is None or not frame.token_ids:
             return None
@@ -458,8 +479,16 @@ class WorkerHub:
             or (channels and len(channels) != n)
             or (top is not None and len(top) != n)
         ):
-            log.warning("worker %s sent a tokens frame with mismatched lengths", conn.id)
+            return inflight, "a tokens frame with mismatched lengths"
+        if frame.start > len(inflight.streamed):
+            # an earlier frame was not appended (Redis briefly away): the finished record fills the gap
+            log.info("tokens %d.. of %s follow a gap; left to the finished record", frame.start, frame.message_id)
             return None
+        problem = token_problem(frame.token_ids, frame.logprobs, conn.hello.vocab_size)
+        if problem is None and frame.prompt_ids is not None:
+            problem = token_problem(frame.prompt_ids, [], conn.hello.vocab_size)
+        if problem is not None:
+            return inflight, problem
         prompt = frame.prompt_ids if frame.start == 0 else None
         return inflight, TokenBatch(frame.start, frame.token_ids, frame.logprobs, frame.texts, channels, top, prompt)
 
@@ -468,13 +497,24 @@ class WorkerHub:
 
     async def _on_tokens_many(self, conn: WorkerConnection, frames: list[TokensFrame]) -> None:
         """Append the frames' tokens in one round trip (one engine step of the worker)."""
-        items = [(f, item) for f in frames if (item := self._token_batch(conn, f)) is not None]
+        items: list[tuple[TokensFrame, InFlight, TokenBatch]] = []
+        for f in frames:
+            checked = self._token_batch(conn, f)
+            if checked is None:
+                continue
+            inflight, batch = checked
+            if isinstance(batch, str):
+                await self._reject_attempt(conn, inflight, batch)
+            elif conn.inflight.get(f.message_id) is inflight:
+                items.append((f, inflight, batch))
         if not items:
             return
-        results = await self.streams.append_many([(f.message_id, batch) for f, (_, batch) in items])
-        for (frame, (inflight, batch)), conflict in zip(items, results, strict=True):
+        results = await self.streams.append_many([(f.message_id, batch) for f, _, batch in items])
+        for (frame, inflight, batch), conflict in zip(items, results, strict=True):
             if conflict is None:
                 inflight.next_index = batch.end
+                del inflight.streamed[batch.start :]
+                inflight.streamed += batch.token_ids
             else:
                 log.warning("rejected tokens %d.. of %s (%s)", frame.start, frame.message_id, conflict)
 
@@ -483,6 +523,18 @@ class WorkerHub:
         if inflight is None:
             return
         record = frame.record
+        problem = token_problem(record.completion_ids, record.logprobs, conn.hello.vocab_size) or token_problem(
+            record.prompt_ids, [], conn.hello.vocab_size
+        )
+        if problem is None and record.completion_ids[: len(inflight.streamed)] != inflight.streamed:
+            problem = "the finished record's tokens differ from the tokens it streamed"
+        if problem is None and (
+            len(record.logprobs) != len(record.completion_ids) or len(record.text_offsets) != len(record.completion_ids)
+        ):
+            problem = "the finished record's logprobs or text offsets do not match its tokens"
+        if problem is not None:
+            await self._reject_attempt(conn, inflight, problem)
+            return
         # Readers must see every stored token: stream whatever the worker did not send as frames.
         tail = inflight.next_index
         if tail < len(record.completion_ids):
@@ -518,6 +570,21 @@ class WorkerHub:
             await self._give_up(inflight.item, frame.code, frame.message)
 
     # ---- recovery --------------------------------------------------------------------------
+    async def _reject_attempt(self, conn: WorkerConnection, inflight: InFlight, problem: str) -> None:
+        """A worker sent a bad frame for one message: end that attempt only (the worker is told to
+        stop it) and requeue the message; the next attempt resumes after the tokens readers saw."""
+        item = inflight.item
+        log.warning("worker %s: bad frame for %s (attempt %d): %s", conn.id, item.message_id, item.attempt, problem)
+        if conn.inflight.get(item.message_id) is not inflight:
+            return
+        conn.inflight.pop(item.message_id, None)
+        with contextlib.suppress(Exception):
+            await conn.send(CancelFrame(message_id=item.message_id, attempt=item.attempt))
+        try:
+            await self._requeue(item)
+        except Exception as exc:  # the reaper reclaims it
+            log.warning("could not requeue %s: %s", item.message_id, exc)
+
     async def _requeue(self, item: WorkItem) -> None:
         attempt = await self.store.next_attempt(item.message_id, item.attempt)
         if attempt is not None:
@@ -543,6 +610,50 @@ class WorkerHub:
                 log.warning("could not requeue %s: %s", inflight.item.message_id, exc)
         conn.inflight.clear()
 
+    async def _sweep_forever(self) -> None:
+        await _forever(self.settings.sweep_interval_s, self.sweep, "sweep")
+
+    async def sweep(self) -> int:
+        """Requeue open messages that nothing will finish: pending ones the queue no longer holds (a
+        Redis restart, a restarted embedded server) and in-progress ones whose worker is gone. The
+        database is the source of truth; the new attempt fences off any stale copy."""
+        cutoff = utcnow() - timedelta(seconds=self.settings.sweep_grace_s)
+        stale = await self.store.open_before(cutoff)
+        if not stale:
+            return 0
+        workers = await self.directory.workers()
+        live = {w.worker_id for w in workers}
+        models = {w.model_name for w in workers} | await self.directory.recent_models(self.settings.model_grace_s)
+        here = {mid for c in self.connections.values() for mid in c.inflight}
+        count = 0
+        for msg in stale:
+            model = msg.model_config_name or ""
+            if msg.id in here:
+                continue
+            if msg.state == MessageState.pending.value and model not in models:
+                error = f"no worker has offered {model!r} for {self.settings.model_grace_s:.0f}s"
+                if await self.store.fail(msg.id, msg.attempt, ErrorCode.no_worker, error):
+                    await self.streams.finish(msg.id, StreamDone("error", error=error, code=ErrorCode.no_worker.value))
+                continue
+            if msg.state == MessageState.in_progress.value and msg.worker_id in live:
+                continue
+            if msg.state == MessageState.pending.value and await self.queue.holds(model, msg.id):
+                continue
+            attempt = await self.store.next_attempt(msg.id, msg.attempt)
+            if attempt is None:
+                continue  # it moved on meanwhile
+            log.warning("sweep: requeueing %s message %s (attempt %d)", msg.state, msg.id, attempt)
+            try:
+                await self.queue.enqueue(model, msg.id, attempt)
+            except QueueFull:
+                error = "lost by the queue, which is now full"
+                if await self.store.fail(msg.id, attempt, ErrorCode.queue_full, error):
+                    await self.streams.finish(msg.id, StreamDone("error", error=error, code=ErrorCode.queue_full.value))
+                continue
+            count += 1
+        self.swept += count
+        return count
+
     async def _reap_forever(self) -> None:
         """Requeue items claimed by server processes that died (their consumers never touch them)."""
         interval = max(self.settings.reclaim_idle_s / 2, 1.0)
@@ -559,6 +670,31 @@ class WorkerHub:
                         await self._requeue(item)
             except Exception:
                 log.exception("reaper pass failed")
+
+
+async def _forever(interval: float, job: Any, name: str) -> None:
+    while True:
+        try:
+            await job()
+        except Exception:
+            log.exception("%s pass failed", name)
+        await asyncio.sleep(interval)
+
+
+def token_problem(ids: list[int], logprobs: list[float | None], vocab_size: int | None) -> str | None:
+    """What is wrong with token ids (outside the announced vocabulary) or logprobs (not finite, or
+    above 0: a log-probability), or None."""
+    limit = vocab_size if vocab_size is not None else 2**31
+    for t in ids:
+        if not 0 <= t < limit:
+            return f"token id {t} is outside the vocabulary [0, {limit})"
+    for lp in logprobs:
+        if lp is not None and not (math.isfinite(lp) and lp <= _LOGPROB_SLACK):
+            return f"logprob {lp} is not a finite log-probability"
+    return None
+
+
+_LOGPROB_SLACK = 1e-3  # float error of a log-softmax near probability 1
 
 
 def _bearer(header: str) -> str | None:

@@ -6,6 +6,7 @@ unchanged; everything tokentrail adds is additive (new optional fields, new endp
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
@@ -18,6 +19,12 @@ MAX_CONTENT_CHARS = 64_000
 MAX_NEW_TOKENS_LIMIT = 32_768
 MAX_SYSTEM_PROMPT_CHARS = 64_000
 MAX_TOOLS = 128
+# Tool schemas of a chat or request, as JSON (the model sees them in every prompt).
+MAX_TOOLS_JSON_CHARS = 256_000
+# One tool call's arguments, as JSON text.
+MAX_TOOL_ARGUMENTS_CHARS = 64_000
+# Messages in one chat (all branches): a chat is rendered and exported as a whole.
+MAX_MESSAGES_PER_CHAT = 10_000
 
 # A function tool, OpenAI style: {"type": "function", "function": {"name", "description", "parameters"}}.
 ToolSchema = dict[str, Any]
@@ -131,6 +138,9 @@ def _check_tools(tools: list[ToolSchema] | None) -> list[ToolSchema] | None:
         return None
     if len(tools) > MAX_TOOLS:
         raise ValueError(f"at most {MAX_TOOLS} tools")
+    size = len(json.dumps(tools, ensure_ascii=False))
+    if size > MAX_TOOLS_JSON_CHARS:
+        raise ValueError(f"the tools are {size} characters of JSON; the limit is {MAX_TOOLS_JSON_CHARS}")
     for tool in tools:
         fn = tool.get("function", tool)
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:

@@ -33,9 +33,14 @@ class ErrorCode(StrEnum):
     unknown_tool_call = "unknown_tool_call"
     # 413
     content_too_long = "content_too_long"
+    request_too_large = "request_too_large"  # the whole body, checked before it is read
+    chat_too_long = "chat_too_long"  # a chat holds MAX_MESSAGES_PER_CHAT messages
     # 422
     validation_error = "validation_error"
     unknown_model = "unknown_model"
+    # 429
+    rate_limited = "rate_limited"  # per-user rate of generations
+    queue_share_exceeded = "queue_share_exceeded"  # a user's share of a model's queue is used up
     # 503
     queue_full = "queue_full"
     not_ready = "not_ready"
@@ -75,9 +80,13 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.parent_required: 422,
     ErrorCode.unknown_tool_call: 422,
     ErrorCode.content_too_long: 413,
+    ErrorCode.request_too_large: 413,
+    ErrorCode.chat_too_long: 409,
     ErrorCode.validation_error: 422,
     ErrorCode.unknown_model: 422,
     ErrorCode.queue_full: 503,
+    ErrorCode.rate_limited: 429,
+    ErrorCode.queue_share_exceeded: 429,
     ErrorCode.not_ready: 503,
     ErrorCode.context_overflow: 422,
 }

@@ -129,6 +129,15 @@ class WelcomeFrame(BaseModel):
 # The server accepts a JSON array of worker frames in one websocket message: a worker sends the
 # frames of one engine step together, and the server appends their tokens in one round trip.
 FEATURE_BATCH = "batch"
+# Welcome feature: the server takes a ``drain`` frame (the worker is shutting down: no more work).
+FEATURE_DRAIN = "drain"
+
+
+class DrainFrame(BaseModel):
+    """The worker is shutting down: send it no more work. It finishes what it holds (or hands it back
+    by disconnecting) and grants no further credits."""
+
+    type: Literal["drain"] = "drain"
 
 
 class WorkMessage(BaseModel):
@@ -232,7 +241,7 @@ class ErrorFrame(BaseModel):
 
 
 WorkerFrame = Annotated[
-    HelloFrame | CreditFrame | TokensFrame | FinishedFrame | FailedFrame | HeartbeatFrame | RpcResultFrame,
+    HelloFrame | CreditFrame | TokensFrame | FinishedFrame | FailedFrame | HeartbeatFrame | RpcResultFrame | DrainFrame,
     Field(discriminator="type"),
 ]
 ServerFrame = Annotated[

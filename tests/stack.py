@@ -126,7 +126,8 @@ class WorkerThread:
         def offered() -> bool:
             if self.error:
                 raise RuntimeError(f"worker died: {self.error!r}")
-            return any(m["name"] == name for m in httpx.get(f"{url}/configs/model_configs").json())
+            resp = httpx.get(f"{url}/configs/model_configs")  # 503 while Redis restarts
+            return resp.status_code == 200 and any(m["name"] == name for m in resp.json())
 
         wait_for(offered, 60, "worker")
         return self

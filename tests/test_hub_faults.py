@@ -76,4 +76,4 @@ def test_worker_session_survives_killed_redis_connections(redis_stack: Any, redi
     assert _turn(url, headers, "after")["event_type"] == "message"
     assert list(hub.connections) == [session]
     models = httpx.get(f"{url}/configs/model_configs").json()
-    assert [m["name"] for m in models] == [MODEL]
+    assert MODEL in [m["name"] for m in models]  # other tests may share this Redis database

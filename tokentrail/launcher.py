@@ -51,6 +51,20 @@ def _wait_until(
     raise RuntimeError(f"{check} not ready after {timeout_s:.0f}s")
 
 
+def die_with_parent() -> None:
+    """preexec_fn of a child process: the kernel sends it SIGTERM when this process dies, even by
+    SIGKILL (Linux ``PR_SET_PDEATHSIG``), so no child outlives ``tokentrail up``."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the line above: nothing will signal us
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _stop(proc: subprocess.Popen[bytes], name: str) -> None:
     if proc.poll() is not None:
         return
@@ -80,6 +94,7 @@ def running_stack(data_dir: Path, port: int, model: str, *, quiet: bool, max_par
         stdout=out,
         stderr=out,
         env=env,
+        preexec_fn=die_with_parent,  # only prctl: safe between fork and exec
     )
     worker: subprocess.Popen[bytes] | None = None
     try:
@@ -91,6 +106,7 @@ def running_stack(data_dir: Path, port: int, model: str, *, quiet: bool, max_par
             stdout=out,
             stderr=out,
             env=env,
+            preexec_fn=die_with_parent,
         )  # fmt: skip
         _wait_until("worker", f"{url}/configs/model_configs", 180, worker, model=model)
         typer.echo(f"worker connected, serving {model!r}")

@@ -28,6 +28,10 @@ def worker(
         int | None,
         typer.Option(min=1, help="hf on CPU: torch threads (default: OMP_NUM_THREADS, else all cores but one)."),
     ] = None,
+    drain_timeout: Annotated[
+        float,
+        typer.Option(min=0, help="On SIGTERM: seconds to finish messages in hand before handing them back."),
+    ] = 60.0,
     dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16 (vllm also: auto).")] = "float32",
     served_model_name: Annotated[
         str | None, typer.Option(help="Name clients use (model_config_name). Default: --model.")
@@ -84,6 +88,7 @@ def worker(
                 template_kwargs=kwargs,
                 vllm=VLLMOptions(max_model_len, gpu_memory_utilization, tensor_parallel_size),
                 threads=threads,
+                drain_timeout_s=drain_timeout,
             )
         )
 

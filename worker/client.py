@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import random
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,10 +25,12 @@ from shared.errors import ErrorCode
 from shared.packing import to_float32
 from shared.protocol import (
     FEATURE_BATCH,
+    FEATURE_DRAIN,
     FEATURE_RPC,
     PROTOCOL_VERSION,
     CancelFrame,
     CreditFrame,
+    DrainFrame,
     ErrorFrame,
     FailedFrame,
     FinishedFrame,
@@ -98,6 +101,8 @@ class WorkerClient:
         self._outbox: _Outbox | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.connected = asyncio.Event()
+        self.draining = False  # shutting down: no new work, no more credits
+        self._drain_frames = False  # the server takes a drain frame
         self.completed = 0
 
     def hello(self) -> HelloFrame:
@@ -114,9 +119,28 @@ class WorkerClient:
             vocab_size=vocab_size(self.fmt),
         )
 
+    async def drain(self, timeout_s: float) -> None:
+        """Graceful shutdown: ask the server for no more work, finish what is in hand for up to
+        ``timeout_s``, then disconnect. Whatever is still running then is handed back: the server
+        requeues it and the next worker continues after the tokens already streamed."""
+        self.draining = True
+        log.info("draining: %d messages in hand, up to %.0fs to finish them", len(self._tasks), timeout_s)
+        if self._ws is not None and self._drain_frames:
+            with contextlib.suppress(ConnectionError, websockets.exceptions.WebSocketException):
+                await self._send(DrainFrame())
+        deadline = time.monotonic() + timeout_s
+        while self._tasks and (left := deadline - time.monotonic()) > 0:
+            await asyncio.wait(list(self._tasks.values()), timeout=left)
+        if self._tasks:
+            log.warning("drain timed out: handing back %d messages", len(self._tasks))
+        ws = self._ws
+        if ws is not None:
+            with contextlib.suppress(Exception):
+                await ws.close(code=1001, reason="worker shutting down")
+
     async def run_forever(self) -> None:
         delay = 0.5
-        while True:
+        while not self.draining:
             try:
                 await self._session()
                 delay = 0.5
@@ -127,6 +151,8 @@ class WorkerClient:
             finally:
                 self.connected.clear()
                 await self._abort_all()
+            if self.draining:
+                return
             sleep = delay * (0.5 + random.random())
             log.info("reconnecting in %.1fs", sleep)
             await asyncio.sleep(sleep)
@@ -147,6 +173,7 @@ class WorkerClient:
                 raise FatalWorkerError(f"expected welcome, got {first.type}")
             log.info("connected as %s to %s", first.worker_id, url)
             self._batching = FEATURE_BATCH in first.features
+            self._drain_frames = FEATURE_DRAIN in first.features
             await self._send(CreditFrame(credits=self.options.max_parallel - len(self._tasks)))
             self.connected.set()
             beat = asyncio.create_task(self._heartbeat(first.heartbeat_interval_s))
@@ -195,7 +222,14 @@ class WorkerClient:
 
     async def _send(
         self,
-        frame: HelloFrame | CreditFrame | TokensFrame | FinishedFrame | FailedFrame | HeartbeatFrame | RpcResultFrame,
+        frame: HelloFrame
+        | CreditFrame
+        | TokensFrame
+        | FinishedFrame
+        | FailedFrame
+        | HeartbeatFrame
+        | RpcResultFrame
+        | DrainFrame,
     ) -> None:
         ws = self._ws
         if ws is None:
@@ -266,7 +300,8 @@ class WorkerClient:
             )
         finally:
             self._tasks.pop(frame.message_id, None)
-        await self._send_quietly(CreditFrame(credits=1))
+        if not self.draining:
+            await self._send_quietly(CreditFrame(credits=1))
 
     async def _send_quietly(self, frame: FailedFrame | CreditFrame) -> None:
         with contextlib.suppress(ConnectionError, websockets.exceptions.WebSocketException):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +68,7 @@ async def run_worker(
     template_kwargs: dict[str, Any] | None = None,
     vllm: VLLMOptions | None = None,
     threads: int | None = None,
+    drain_timeout_s: float = 60.0,
 ) -> None:
     from worker.tiny_model import resolve_model
 
@@ -84,7 +87,31 @@ async def run_worker(
         prompt_mode=prompt_mode,
         closer_policy=closer_policy,
     )
+    client = WorkerClient(options, engine, fmt)
     try:
-        await WorkerClient(options, engine, fmt).run_forever()
+        await _serve_until_sigterm(client, drain_timeout_s)
     finally:
         await engine.close()
+
+
+async def _serve_until_sigterm(client: WorkerClient, drain_timeout_s: float) -> None:
+    """Run the client; SIGTERM drains it (no new work, in-hand work finished or handed back)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    with contextlib.suppress(NotImplementedError, RuntimeError):  # not on Windows / outside the main thread
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+    main = asyncio.create_task(client.run_forever())
+    waiter = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({main, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set() and not main.done():
+            log.info("SIGTERM: draining")
+            await client.drain(drain_timeout_s)
+            await asyncio.wait({main}, timeout=10)
+        if main.done():
+            main.result()
+    finally:
+        for task in (main, waiter):
+            task.cancel()
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.remove_signal_handler(signal.SIGTERM)

@@ -9,6 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, Request, Response
 from sse_starlette import EventSourceResponse
 
+from server.admission import admit
 from server.api.deps import RepoDep, StateDep
 from server.api.sse import message_events
 from server.errors import ApiError
@@ -50,15 +51,16 @@ _OFFERED_TTL_S = 1.0
 
 
 async def is_offered(state: StateDep, model: str) -> bool:
-    """Whether a connected worker offers ``model``. A positive answer is reused for a second (every
-    assistant message asks); a negative one is always checked afresh, so a worker that just
-    connected is seen at once."""
+    """Whether a connected worker offers ``model``, or one did within ``model_grace_s`` (a restart or
+    deploy: the request waits in the queue for the next worker; the sweep fails it if none comes).
+    A positive answer is reused for a second (every assistant message asks); a negative one is
+    always checked afresh, so a worker that just connected is seen at once."""
     seen_at, names = state.offered_cache
     if model in names and time.monotonic() - seen_at < _OFFERED_TTL_S:
         return True
     names = frozenset(await offered_models(state))
     state.offered_cache = (time.monotonic(), names)
-    return model in names
+    return model in names or model in await state.directory.recent_models(state.settings.model_grace_s)
 
 
 @configs_router.get("/model_configs")
@@ -129,13 +131,14 @@ async def create_assistant_message(
             ErrorCode.unknown_model,
             f"no connected worker offers model {body.model_config_name!r}; see GET /configs/model_configs",
         )
+    await admit(state, repo.session, repo.user.id, body.model_config_name)
     sampling = body.sampling_parameters
     seed = sampling.seed if sampling.seed is not None else secrets.randbelow(2**63)
     msg = await repo.add_assistant_message(chat_id, body.parent_id, body.model_config_name, sampling, seed)
     try:
         await state.queue.enqueue(body.model_config_name, msg.id, msg.attempt)
     except QueueFull as exc:
-        await repo.fail_message(msg, ErrorCode.queue_full, "the queue was full")
+        await repo.discard_message(msg)  # a refused request leaves nothing behind
         raise ApiError(
             ErrorCode.queue_full, "the server is busy; try again later", headers={"Retry-After": "5"}
         ) from exc

@@ -27,7 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.errors import ApiError
 from server.models import Chat, Message, new_id, utcnow
-from shared.api import MAX_CONTENT_CHARS, MessageState, SamplingParameters, WorkParameters
+from shared.api import MAX_CONTENT_CHARS, MAX_TOOL_ARGUMENTS_CHARS, MessageState, SamplingParameters, WorkParameters
 from shared.chain import (
     MessageFormatError,
     chain_hash,
@@ -86,11 +86,14 @@ def _tool_calls(raw: Any, param: str) -> list[dict[str, Any]] | None:
         name, _ = tool_call_key(call)
         fn = call.get("function", call)
         args = fn.get("arguments")
+        text = args if isinstance(args, str) else _dumps(args or {})
+        if len(text) > MAX_TOOL_ARGUMENTS_CHARS:
+            raise _bad(f"tool call arguments are limited to {MAX_TOOL_ARGUMENTS_CHARS} characters", f"{param}[{k}]")
         calls.append(
             {
                 "id": str(call.get("id") or f"call_{k}"),
                 "type": "function",
-                "function": {"name": name, "arguments": args if isinstance(args, str) else _dumps(args or {})},
+                "function": {"name": name, "arguments": text},
             }
         )
     return calls or None

@@ -102,8 +102,7 @@ async def enqueue(state: AppState, messages: list[Message]) -> None:
         try:
             await state.queue.enqueue(msg.model_config_name or "", msg.id, msg.attempt)
         except QueueFull as exc:
-            for left in messages[k:]:
-                await state.hub.store.fail(left.id, None, ErrorCode.queue_full, "the queue was full")
+            await state.hub.store.discard([m.id for m in messages[k:]])  # a refused request leaves no rows
             raise ApiError(
                 ErrorCode.queue_full, "the server is busy; try again later", headers={"Retry-After": "5"}
             ) from exc

@@ -74,6 +74,14 @@ class MemoryWorkQueue:
             items.append(item)
         return items
 
+    async def holds(self, model: str, message_id: str) -> bool:
+        queue = self._queues.get(model)
+        if queue is None:
+            return False
+        return any(i.message_id == message_id for i in queue.waiting) or any(
+            p.item.message_id == message_id for p in queue.pending.values()
+        )
+
     async def ack(self, item: WorkItem) -> None:
         queue = self._queues.get(item.model)
         if queue is not None:
@@ -122,9 +130,11 @@ class MemoryWorkerDirectory:
 
     def __init__(self) -> None:
         self._entries: dict[str, tuple[WorkerEntry, float]] = {}  # worker_id -> (entry, expires_at)
+        self._seen: dict[str, float] = {}  # model -> time.monotonic() of its last registration
 
     async def register(self, entry: WorkerEntry, ttl_s: float) -> None:
         self._entries[entry.worker_id] = (entry, time.monotonic() + ttl_s)
+        self._seen[entry.model_name] = time.monotonic()
 
     async def unregister(self, worker_id: str) -> None:
         self._entries.pop(worker_id, None)
@@ -135,6 +145,10 @@ class MemoryWorkerDirectory:
         for worker_id in expired:
             del self._entries[worker_id]
         return [entry for entry, _ in self._entries.values()]
+
+    async def recent_models(self, within_s: float) -> set[str]:
+        since = time.monotonic() - within_s
+        return {model for model, seen in self._seen.items() if seen >= since}
 
     async def close(self) -> None:
         self._entries.clear()

@@ -18,6 +18,7 @@ from redis.exceptions import ResponseError
 from redis.typing import EncodableT
 
 from server.constants import (
+    MODELS_SEEN,
     WORK_DEQ_COUNTER,
     WORK_ENQ_COUNTER,
     WORK_GROUP,
@@ -194,6 +195,9 @@ class RedisWorkQueue:
             return []
         return [self._item(model, entry_id, raw, int(n)) for entry_id, raw, n in rows]
 
+    async def holds(self, model: str, message_id: str) -> bool:
+        return bool(await self.redis.exists(WORK_TICKET.format(message_id=message_id)))
+
     async def position(self, model: str, message_id: str) -> tuple[int, int]:
         ticket, enqueued, dequeued = (
             int(value or 0)
@@ -222,7 +226,10 @@ class RedisWorkerDirectory:
 
     async def register(self, entry: WorkerEntry, ttl_s: float) -> None:
         value = orjson.dumps({**asdict(entry), "expires_at": time.time() + ttl_s})
-        await self.redis.hset(WORKER_DIRECTORY, entry.worker_id, value)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hset(WORKER_DIRECTORY, entry.worker_id, value)
+            pipe.hset(MODELS_SEEN, entry.model_name, time.time())
+            await pipe.execute()
 
     async def unregister(self, worker_id: str) -> None:
         await self.redis.hdel(WORKER_DIRECTORY, worker_id)
@@ -239,6 +246,11 @@ class RedisWorkerDirectory:
                 # Delete only if unchanged: another server may have just refreshed it.
                 await self._forget(keys=[WORKER_DIRECTORY], args=[worker_id, value])
         return entries
+
+    async def recent_models(self, within_s: float) -> set[str]:
+        raw: dict[Any, Any] = await self.redis.hgetall(MODELS_SEEN)
+        since = time.time() - within_s
+        return {k.decode() if isinstance(k, bytes) else str(k) for k, v in raw.items() if float(v) >= since}
 
     async def close(self) -> None:
         pass

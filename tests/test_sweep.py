@@ -1,0 +1,145 @@
+"""The database is the source of truth: queued messages survive a Redis restart that lost the queue.
+
+A private redis-server (no persistence) is killed with SIGKILL while three assistant messages wait in
+its queue, then started again, empty, on the same port. The sweep finds the pending messages the queue
+no longer holds and requeues them; a worker that connects afterwards completes all three.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from server.settings import ServerSettings
+from tests.services import ServiceUnavailable
+from tests.stack import ServerThread, WorkerThread, free_port, wait_for, worker_key
+from tests.test_e2e_embedded import events, login
+from tests.test_limits import MODEL, IdleWorker, ask, new_turn
+from worker.chat_format import ChatFormat
+from worker.engines.hf import HFEngine
+
+pytestmark = [pytest.mark.redis]
+
+
+class RedisProcess:
+    def __init__(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise ServiceUnavailable("redis-server is not installed")
+        self.binary = binary
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="tt-sweep-redis-")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisProcess:
+        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", self.dir]
+        self.proc = subprocess.Popen([self.binary, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(lambda: _answers(self.url), 10, "redis-server")
+        return self
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_timeout=1).ping())
+    except redis.RedisError:
+        return False
+
+
+@pytest.fixture
+def private_redis() -> Iterator[RedisProcess]:
+    try:
+        proc = RedisProcess().start()
+    except ServiceUnavailable as exc:
+        pytest.skip(str(exc))
+    yield proc
+    proc.stop()
+
+
+def test_messages_queued_in_a_redis_that_restarts_empty_are_requeued(
+    private_redis: RedisProcess, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    settings = ServerSettings(
+        data_dir=tmp_path,
+        port=free_port(),
+        redis_url=private_redis.url,
+        auth_secret="sweep-test-secret-0123456789abcdef",
+        allow_debug_auth=True,
+        worker_heartbeat_interval_s=0.5,
+        sweep_interval_s=0.5,
+        sweep_grace_s=1.0,
+    )
+    server = ServerThread(settings).start()
+    key = worker_key(settings)
+    idle = IdleWorker(server.url, key).start()  # offers the model, takes nothing
+    try:
+        headers = login(server.url, "sweep")
+        turns = []
+        for _ in range(3):
+            chat, prompt = new_turn(server.url, headers)
+            reply = ask(server.url, headers, chat, prompt)
+            assert reply.status_code == 200, reply.text
+            turns.append((chat, reply.json()["id"]))
+        idle.stop()
+
+        private_redis.kill()  # the queue, tickets and worker directory are gone with it
+        private_redis.start()
+
+        fmt = ChatFormat.load(str(tiny_model_dir))
+        worker = WorkerThread(
+            server.url, key, MODEL, fmt, lambda: HFEngine(str(tiny_model_dir), max_batch_size=4)
+        ).start()
+        try:
+            deadline = time.monotonic() + 60
+            for chat, mid in turns:
+                final = events(server.url, f"/chats/{chat}/messages/{mid}/events", headers)[-1]
+                assert final["event_type"] == "message", final
+                assert time.monotonic() < deadline
+                msg = httpx.get(f"{server.url}/chats/{chat}/messages/{mid}", headers=headers).json()
+                assert msg["state"] == "complete", msg
+        finally:
+            worker.stop()
+    finally:
+        server.stop()
+
+
+def test_a_model_whose_workers_left_is_queued_for_a_grace_period(tmp_path: Path) -> None:
+    settings = ServerSettings(
+        data_dir=tmp_path, port=free_port(), model_grace_s=3.0, sweep_interval_s=0.5, sweep_grace_s=0.5
+    )
+    server = ServerThread(settings).start()
+    try:
+        idle = IdleWorker(server.url, worker_key(settings)).start()
+        idle.stop()  # the model's only worker goes away (a restart, a deploy)
+        wait_for(lambda: httpx.get(f"{server.url}/configs/model_configs").json() == [], 30, "the worker to leave")
+        headers = login(server.url, "grace")
+        chat, prompt = new_turn(server.url, headers)
+        reply = ask(server.url, headers, chat, prompt)
+        assert reply.status_code == 200, reply.text  # queued, not refused
+        final = events(server.url, f"/chats/{chat}/messages/{reply.json()['id']}/events", headers)[-1]
+        assert final["event_type"] == "error" and final["code"] == "no_worker", final  # no worker came back
+        resp = ask(server.url, headers, chat, prompt)
+        assert resp.status_code == 422 and resp.json()["code"] == "unknown_model", resp.text
+    finally:
+        server.stop()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import case, delete, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import aliased
@@ -24,6 +24,7 @@ from shared.protocol import GenerationRecord, PriorChain, WorkMessage
 
 Parent = aliased(Message)
 _OPEN_STATES = (MessageState.pending.value, MessageState.in_progress.value)
+_STORABLE_STATES = (*_OPEN_STATES, MessageState.cancelled.value)
 
 
 class WorkStore:
@@ -143,6 +144,32 @@ class WorkStore:
             )
             return list(rows.all())
 
+    async def cancel(self, message_id: str) -> tuple[str, int, str | None] | None:
+        """Mark an open message cancelled; its (previous state, attempt, worker id), or None if it had
+        already ended. A worker's record for that attempt is still stored (the tokens so far)."""
+        async with self.sessions() as s:
+            msg = await s.get(Message, message_id)
+            if msg is None or msg.state not in _OPEN_STATES:
+                return None
+            before = (msg.state, msg.attempt, msg.worker_id)
+            res = await s.execute(
+                update(Message)
+                .where(Message.id == message_id, Message.attempt == msg.attempt, Message.state == msg.state)
+                .values(
+                    state=MessageState.cancelled.value,
+                    error="cancelled by the user",
+                    error_code=ErrorCode.cancelled.value,
+                    modified_at=utcnow(),
+                )
+            )
+            await s.commit()
+            return before if res.rowcount else None  # type: ignore[attr-defined]
+
+    async def is_cancelled(self, message_id: str) -> bool:
+        async with self.sessions() as s:
+            state = await s.scalar(select(Message.state).where(Message.id == message_id))
+        return state == MessageState.cancelled.value
+
     async def discard(self, message_ids: list[str]) -> None:
         """Delete assistant messages that were never queued (their request was refused)."""
         async with self.sessions() as s, s.begin():
@@ -200,10 +227,14 @@ class WorkStore:
         async with self.sessions() as s, s.begin():
             res = await s.execute(
                 update(Message)
-                .where(Message.id == message_id, Message.attempt == attempt, Message.state.in_(_OPEN_STATES))
+                .where(Message.id == message_id, Message.attempt == attempt, Message.state.in_(_STORABLE_STATES))
                 .values(
                     **index,
-                    state=MessageState.complete.value,
+                    # a cancelled message keeps its state and gets the tokens generated until the abort
+                    state=case(
+                        (Message.state == MessageState.cancelled.value, MessageState.cancelled.value),
+                        else_=MessageState.complete.value,
+                    ),
                     content=record.content,
                     reasoning_content=record.reasoning_content,
                     tool_calls=record.tool_calls or None,

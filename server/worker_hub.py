@@ -294,6 +294,54 @@ class WorkerHub:
                     with contextlib.suppress(Exception):  # else the reaper reclaims it
                         await self._requeue(inflight.item)
 
+    # ---- cancellation ------------------------------------------------------------------------
+    async def cancel(self, message_id: str) -> bool:
+        """Cancel an open message: a queued one is dropped when its queue entry comes up; a running
+        one is aborted by its worker within one engine step, and the tokens generated until then are
+        stored with the message (state ``cancelled``). False if the message had already ended."""
+        before = await self.store.cancel(message_id)
+        if before is None:
+            return False
+        state, attempt, worker_id = before
+        if (
+            state == MessageState.in_progress.value
+            and worker_id
+            and await self._cancel_on_worker(worker_id, message_id, attempt)
+        ):
+            return True  # the worker's abort record ends the stream (_on_finished)
+        await self._finish_cancelled(message_id)
+        return True
+
+    async def _cancel_on_worker(self, worker_id: str, message_id: str, attempt: int) -> bool:
+        if worker_id in self.connections:
+            return await self._cancel_local(worker_id, message_id, attempt)
+        server_id = worker_id.split("-")[1] if worker_id.count("-") >= 2 else ""
+        if self.relay is None or not server_id:
+            return False
+        params = {"worker_id": worker_id, "message_id": message_id, "attempt": attempt}
+        try:
+            answer = await self.relay.request(server_id, "", "cancel", params, timeout_s=5.0)
+        except (RelayError, RelayTimeout) as exc:
+            log.warning("cancel of %s could not reach server %s: %s", message_id, server_id, exc)
+            return False
+        return bool(answer.get("sent"))
+
+    async def _cancel_local(self, worker_id: str, message_id: str, attempt: int) -> bool:
+        conn = self.connections.get(worker_id)
+        inflight = conn.inflight.get(message_id) if conn is not None else None
+        if conn is None or inflight is None or inflight.item.attempt != attempt:
+            return False
+        try:
+            await conn.send(CancelFrame(message_id=message_id, attempt=attempt))
+        except Exception:
+            return False
+        return True
+
+    async def _finish_cancelled(self, message_id: str) -> None:
+        await self.streams.finish(
+            message_id, StreamDone("error", error="cancelled by the user", code=ErrorCode.cancelled.value)
+        )
+
     # ---- tokenizer calls ---------------------------------------------------------------------
     async def call(
         self, model: str, method: RpcMethod, params: dict[str, Any], timeout_s: float = 30.0
@@ -321,6 +369,9 @@ class WorkerHub:
 
     async def _relayed(self, model: str, method: str, params: dict[str, Any]) -> dict[str, Any]:
         """A call another server process relayed here."""
+        if method == "cancel":
+            sent = await self._cancel_local(str(params["worker_id"]), str(params["message_id"]), int(params["attempt"]))
+            return {"sent": sent}
         if method not in ("tokenize", "render_chat", "detokenize"):
             raise RelayError(ErrorCode.bad_request.value, f"unknown method {method!r}")
         try:
@@ -555,8 +606,12 @@ class WorkerHub:
             chain_known=inflight.chain_known,
         )
         conn.inflight.pop(frame.message_id, None)
-        if stored:
+        if stored and record.finish_reason == "abort" and await self.store.is_cancelled(frame.message_id):
+            await self._finish_cancelled(frame.message_id)
+        elif stored:
             await self.streams.finish(frame.message_id, StreamDone("complete"))
+        elif await self.store.is_cancelled(frame.message_id):  # cancelled, record refused: readers still end
+            await self._finish_cancelled(frame.message_id)
         await self.queue.ack(inflight.item)
 
     async def _on_failed(self, conn: WorkerConnection, frame: FailedFrame) -> None:
@@ -587,6 +642,8 @@ class WorkerHub:
 
     async def _requeue(self, item: WorkItem) -> None:
         attempt = await self.store.next_attempt(item.message_id, item.attempt)
+        if attempt is None and await self.store.is_cancelled(item.message_id):
+            await self._finish_cancelled(item.message_id)  # cancelled while its worker was lost
         if attempt is not None:
             try:
                 await self.queue.enqueue(item.model, item.message_id, attempt)
@@ -599,6 +656,8 @@ class WorkerHub:
     async def _give_up(self, item: WorkItem, code: ErrorCode | str, error: str) -> None:
         if await self.store.fail(item.message_id, None, code, error):
             await self.streams.finish(item.message_id, StreamDone("error", error=error, code=str(code)))
+        elif await self.store.is_cancelled(item.message_id):
+            await self._finish_cancelled(item.message_id)
         await self.queue.ack(item)
 
     async def _recover_all(self, conn: WorkerConnection) -> None:

@@ -30,6 +30,7 @@ class ErrorCode(StrEnum):
     parent_wrong_role = "parent_wrong_role"
     parent_not_complete = "parent_not_complete"
     parent_required = "parent_required"
+    message_finished = "message_finished"  # cancel: the message already ended
     unknown_tool_call = "unknown_tool_call"
     # 413
     content_too_long = "content_too_long"
@@ -55,6 +56,7 @@ class ErrorCode(StrEnum):
     worker_lost = "worker_lost"
     too_many_attempts = "too_many_attempts"
     internal_error = "internal_error"
+    cancelled = "cancelled"  # the message's final event after POST .../cancel
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -78,6 +80,8 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.parent_wrong_role: 409,
     ErrorCode.parent_not_complete: 409,
     ErrorCode.parent_required: 422,
+    ErrorCode.message_finished: 409,
+    ErrorCode.cancelled: 409,
     ErrorCode.unknown_tool_call: 422,
     ErrorCode.content_too_long: 413,
     ErrorCode.request_too_large: 413,

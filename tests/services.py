@@ -20,6 +20,7 @@ import glob
 import os
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -154,6 +155,42 @@ def redis_service() -> Iterator[str]:
                 return
     with _private_redis() as url:
         yield url
+
+
+class RestartableRedis:
+    """A redis-server of its own (no persistence) that a test can SIGKILL and start again, empty, on
+    the same port: what a Redis restart looks like to the server."""
+
+    def __init__(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise ServiceUnavailable("redis-server is not installed")
+        self.binary = binary
+        self.port = _free_port()
+        self.dir = tempfile.mkdtemp(prefix="tt-sweep-redis-")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RestartableRedis:
+        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", self.dir]
+        self.proc = subprocess.Popen([self.binary, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while not _redis_answers(self.url):
+            if time.monotonic() > deadline:
+                raise ServiceUnavailable("redis-server did not start")
+            time.sleep(0.05)
+        return self
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 # --- PostgreSQL ---------------------------------------------------------------------------

@@ -7,21 +7,15 @@ no longer holds and requeues them; a worker that connects afterwards completes a
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
-import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import redis
 
 from server.settings import ServerSettings
-from tests.services import ServiceUnavailable
+from tests.services import RestartableRedis, ServiceUnavailable
 from tests.stack import ServerThread, WorkerThread, free_port, wait_for, worker_key
 from tests.test_e2e_embedded import events, login
 from tests.test_limits import MODEL, IdleWorker, ask, new_turn
@@ -31,46 +25,10 @@ from worker.engines.hf import HFEngine
 pytestmark = [pytest.mark.redis]
 
 
-class RedisProcess:
-    def __init__(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise ServiceUnavailable("redis-server is not installed")
-        self.binary = binary
-        self.port = free_port()
-        self.dir = tempfile.mkdtemp(prefix="tt-sweep-redis-")
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> RedisProcess:
-        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", self.dir]
-        self.proc = subprocess.Popen([self.binary, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for(lambda: _answers(self.url), 10, "redis-server")
-        return self
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _answers(url: str) -> bool:
-    try:
-        return bool(redis.Redis.from_url(url, socket_timeout=1).ping())
-    except redis.RedisError:
-        return False
-
-
 @pytest.fixture
-def private_redis() -> Iterator[RedisProcess]:
+def private_redis() -> Iterator[RestartableRedis]:
     try:
-        proc = RedisProcess().start()
+        proc = RestartableRedis().start()
     except ServiceUnavailable as exc:
         pytest.skip(str(exc))
     yield proc
@@ -78,7 +36,7 @@ def private_redis() -> Iterator[RedisProcess]:
 
 
 def test_messages_queued_in_a_redis_that_restarts_empty_are_requeued(
-    private_redis: RedisProcess, tiny_model_dir: Path, tmp_path: Path
+    private_redis: RestartableRedis, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     settings = ServerSettings(
         data_dir=tmp_path,

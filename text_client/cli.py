@@ -17,7 +17,7 @@ def chat(
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 256,
     temperature: Annotated[float, typer.Option(min=0.0)] = 0.8,
 ) -> None:
-    """Chat with a model. Each line you type is a message; Ctrl-D quits."""
+    """Chat with a model. Each line you type is a message; Ctrl-C stops a reply; Ctrl-D quits."""
     client = ChatClient(server_url)
     try:
         if api_key:
@@ -50,11 +50,15 @@ def chat(
                     {"max_new_tokens": max_new_tokens, "temperature": temperature},
                 )
                 typer.echo("assistant> ", nl=False)
-                for event in client.events(chat_obj["id"], reply["id"]):
-                    if event["event_type"] == "token":
-                        typer.echo(event["text"], nl=False)
-                    elif event["event_type"] == "error":
-                        typer.echo(f"\n[error: {event['error']}]")
+                try:
+                    for event in client.events(chat_obj["id"], reply["id"]):
+                        if event["event_type"] == "token":
+                            typer.echo(event["text"], nl=False)
+                        elif event["event_type"] == "error" and event.get("code") != "cancelled":
+                            typer.echo(f"\n[error: {event['error']}]")
+                except KeyboardInterrupt:  # Ctrl-C stops the reply, not the program
+                    client.cancel(chat_obj["id"], reply["id"])
+                    typer.echo("\n[cancelled]", nl=False)
                 typer.echo()
                 final = client.message(chat_obj["id"], reply["id"])
                 if final["state"] == "complete":

@@ -62,6 +62,10 @@ class ChatClient:
         result: dict[str, Any] = self._check(self.http.post(f"/chats/{chat_id}/assistant_message", json=body))
         return result
 
+    def cancel(self, chat_id: str, message_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._check(self.http.post(f"/chats/{chat_id}/messages/{message_id}/cancel"))
+        return result
+
     def message(self, chat_id: str, message_id: str, *, tokens: bool = False) -> dict[str, Any]:
         params = {"include": "tokens"} if tokens else None
         result: dict[str, Any] = self._check(self.http.get(f"/chats/{chat_id}/messages/{message_id}", params=params))

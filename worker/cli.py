@@ -16,7 +16,13 @@ model_app = typer.Typer(help="Local models for tests and demos.", no_args_is_hel
 
 
 def worker(
-    server_url: Annotated[str, typer.Option(envvar="TOKENTRAIL_SERVER_URL", help="e.g. http://127.0.0.1:8000")],
+    server_url: Annotated[
+        str,
+        typer.Option(
+            envvar="TOKENTRAIL_SERVER_URL",
+            help="e.g. http://127.0.0.1:8000; several replicas comma-separated (the next is tried when one fails)",
+        ),
+    ],
     api_key: Annotated[
         str, typer.Option(envvar="TOKENTRAIL_WORKER_KEY", help="From `tokentrail admin create-worker-key`.")
     ],

@@ -102,6 +102,7 @@ class WorkerClient:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.connected = asyncio.Event()
         self.draining = False  # shutting down: no new work, no more credits
+        self._url_index = 0
         self._drain_frames = False  # the server takes a drain frame
         self.completed = 0
 
@@ -138,28 +139,43 @@ class WorkerClient:
             with contextlib.suppress(Exception):
                 await ws.close(code=1001, reason="worker shutting down")
 
+    @property
+    def server_urls(self) -> list[str]:
+        """``server_url`` may list several server replicas, comma-separated."""
+        return [u.strip() for u in self.options.server_url.split(",") if u.strip()]
+
     async def run_forever(self) -> None:
+        """Serve until drained. When the connection fails the worker moves to the next listed
+        replica at once; it backs off (doubling, jittered) only after every replica failed."""
         delay = 0.5
+        urls = self.server_urls
+        failures = 0
         while not self.draining:
+            url = urls[self._url_index % len(urls)]
             try:
-                await self._session()
-                delay = 0.5
+                await self._session(url)
+                delay, failures = 0.5, 0
             except FatalWorkerError:
                 raise
             except (OSError, websockets.exceptions.WebSocketException, TimeoutError) as exc:
-                log.warning("connection to %s failed: %s", self.options.server_url, exc)
+                log.warning("connection to %s failed: %s", url, exc)
+                failures += 1
             finally:
                 self.connected.clear()
                 await self._abort_all()
             if self.draining:
                 return
+            self._url_index += 1
+            if failures and failures % len(urls):
+                continue  # try the next replica now
             sleep = delay * (0.5 + random.random())
             log.info("reconnecting in %.1fs", sleep)
             await asyncio.sleep(sleep)
-            delay = min(delay * 2, self.options.reconnect_max_s)
+            if failures:
+                delay = min(delay * 2, self.options.reconnect_max_s)
 
-    async def _session(self) -> None:
-        url = websocket_url(self.options.server_url)
+    async def _session(self, server_url: str) -> None:
+        url = websocket_url(server_url)
         headers = {"Authorization": f"Bearer {self.options.api_key}"}
         # No per-message compression: frames are small and sent per engine step, and deflating them
         # costs both ends more CPU than the bytes it saves on a datacenter link.

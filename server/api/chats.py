@@ -26,6 +26,7 @@ from shared.api import (
     CreateToolMessageRequest,
     ListChatsResponse,
     MessageRead,
+    MessageState,
     ModelConfigRead,
     VoteRequest,
 )
@@ -159,6 +160,23 @@ async def get_message(
     if "tokens" in includes and tokens is None:
         read.prompt_token_ids, read.completion_token_ids, read.logprobs = [], [], []
     return read
+
+
+@router.post("/{chat_id}/messages/{message_id}/cancel")
+async def cancel_message(chat_id: str, message_id: str, repo: RepoDep, state: StateDep) -> MessageRead:
+    """Stop an assistant message: a queued one never starts; a running one stops within one engine
+    step, keeping the tokens generated so far (exported with finish_reason "abort"). Readers of its
+    events get a final error event with code ``cancelled``. Cancelling a cancelled message is a no-op."""
+    msg = await repo.get_message(chat_id, message_id)
+    if msg.role != "assistant":
+        raise ApiError(ErrorCode.not_assistant_message, "only assistant messages can be cancelled")
+    if msg.state != MessageState.cancelled:
+        cancelled = await state.hub.cancel(msg.id)
+        await repo.session.commit()  # end this session's snapshot: the hub wrote through its own
+        await repo.session.refresh(msg)
+        if not cancelled and msg.state != MessageState.cancelled:
+            raise ApiError(ErrorCode.message_finished, f"the message has already ended ({msg.state})")
+    return message_to_read(msg)
 
 
 @router.post("/{chat_id}/messages/{message_id}/votes")

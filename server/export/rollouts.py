@@ -228,8 +228,9 @@ class _Reader:
             if not chats:
                 return None
             msgs = await self._rows(conn, "messages", ids=[c[0] for c in chats])
-            complete = MessageState.complete.value
-            assistant_ids = [m[_M_ID] for m in msgs if m[_M_ROLE] == "assistant" and m[_M_STATE] == complete]
+            # cancelled messages keep the tokens generated until the abort (finish_reason "abort")
+            done = (MessageState.complete.value, MessageState.cancelled.value)
+            assistant_ids = [m[_M_ID] for m in msgs if m[_M_ROLE] == "assistant" and m[_M_STATE] in done]
             tokens = {}
             chunk = self.chunk or max(1, len(assistant_ids))
             for i in range(0, len(assistant_ids), chunk):

@@ -35,3 +35,6 @@ class AppState:
     rate_limiter: RateLimiter
     auth_cache: dict[str, tuple[float, User]] = field(default_factory=dict)  # token -> (expiry, user)
     offered_cache: tuple[float, frozenset[str]] = (0.0, frozenset())  # (when, models offered then)
+    # model -> time.monotonic() this process last saw it offered: the grace period survives a Redis
+    # restart, which empties the shared directory until the workers' next heartbeats
+    models_seen: dict[str, float] = field(default_factory=dict)

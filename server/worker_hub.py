@@ -133,6 +133,7 @@ class WorkerHub:
         self.connections: dict[str, WorkerConnection] = {}
         self._reaper: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
         self.swept = 0  # messages the sweep requeued (tests and logs)
         self.server_id = secrets.token_hex(4)
         self.relay: RedisRpcRelay | None = None  # tokenizer calls to workers of other server processes
@@ -181,6 +182,8 @@ class WorkerHub:
             )
             return
         conn = WorkerConnection(id=f"w-{self.server_id}-{secrets.token_hex(6)}", hello=hello, ws=ws)
+        if hello.released:
+            await self._take_released(hello)
         self.connections[conn.id] = conn
         await self.directory.register(conn.entry(self.server_id), ttl_s=self.settings.worker_timeout_s)
         log.info("worker %s connected: model=%s capacity=%d", conn.id, hello.model_name, hello.capacity)
@@ -213,6 +216,18 @@ class WorkerHub:
             except Exception as exc:  # the entry expires on its own
                 log.warning("could not unregister worker %s: %s", conn.id, exc)
             await asyncio.shield(self._recover_all(conn))
+
+    async def _take_released(self, hello: HelloFrame) -> None:
+        """Requeue work a reconnecting worker lost with its previous server (which may be dead and
+        unable to). Fenced by attempt: work that server already requeued is left alone."""
+        for message_id, attempt in hello.released:
+            try:
+                new = await self.store.next_attempt(message_id, attempt)
+                if new is not None:
+                    log.warning("worker reconnected without %s (attempt %d): requeueing", message_id, attempt)
+                    await self.queue.enqueue(hello.model_name, message_id, new)
+            except Exception as exc:  # the sweep requeues it later
+                log.warning("could not requeue released %s: %s", message_id, exc)
 
     async def _valid_key(self, key: str) -> bool:
         async with self.sessions() as s:
@@ -647,11 +662,34 @@ class WorkerHub:
         if attempt is not None:
             try:
                 await self.queue.enqueue(item.model, item.message_id, attempt)
-            except Exception:
-                log.exception("could not requeue %s", item.message_id)
+            except QueueFull:
                 await self._give_up(item, ErrorCode.worker_lost, "worker lost and the queue is full")
                 return
+            except Exception as exc:  # Redis away: pending in SQL, enqueued when it is back
+                log.warning("could not requeue %s now (%s); retrying in the background", item.message_id, exc)
+                self.enqueue_later(item.model, item.message_id, attempt)
+                return
         await self.queue.ack(item)
+
+    def enqueue_later(self, model: str, message_id: str, attempt: int) -> None:
+        """Enqueue in the background, retrying while the queue (Redis) is away, for up to
+        ``sweep_grace_s``; after that the sweep finds the message pending and not queued."""
+        task = asyncio.create_task(self._enqueue_retrying(model, message_id, attempt))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _enqueue_retrying(self, model: str, message_id: str, attempt: int) -> None:
+        deadline = time.monotonic() + self.settings.sweep_grace_s
+        delay = 0.2
+        while time.monotonic() < deadline:
+            await asyncio.sleep(delay)
+            try:
+                await self.queue.enqueue(model, message_id, attempt)
+                return
+            except QueueFull:
+                return  # the sweep fails it if the queue stays full
+            except Exception:
+                delay = min(delay * 2, 2.0)
 
     async def _give_up(self, item: WorkItem, code: ErrorCode | str, error: str) -> None:
         if await self.store.fail(item.message_id, None, code, error):

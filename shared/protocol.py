@@ -38,6 +38,9 @@ class HelloFrame(BaseModel):
     worker_version: str = ""
     features: list[str] = Field(default_factory=list)  # optional frames the worker handles ("rpc")
     vocab_size: int | None = None  # token ids the tokenizer knows: 0 <= id < vocab_size
+    # (message_id, attempt) of work this worker was generating when its last connection broke: if
+    # that server died it cannot requeue them, so the server this hello reaches does (fenced)
+    released: list[tuple[str, int]] = Field(default_factory=list, max_length=4096)
 
 
 class CreditFrame(BaseModel):

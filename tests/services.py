@@ -173,7 +173,11 @@ class RestartableRedis:
 
     def start(self) -> RestartableRedis:
         args = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", self.dir]
-        self.proc = subprocess.Popen([self.binary, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        from tokentrail.launcher import die_with_parent
+
+        self.proc = subprocess.Popen(
+            [self.binary, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent
+        )
         deadline = time.monotonic() + 10
         while not _redis_answers(self.url):
             if time.monotonic() > deadline:

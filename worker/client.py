@@ -103,6 +103,8 @@ class WorkerClient:
         self.connected = asyncio.Event()
         self.draining = False  # shutting down: no new work, no more credits
         self._url_index = 0
+        self._attempts: dict[str, int] = {}  # message id -> attempt of the work in hand
+        self._released: dict[str, int] = {}  # work lost with the last connection, told to the next server
         self._drain_frames = False  # the server takes a drain frame
         self.completed = 0
 
@@ -118,6 +120,7 @@ class WorkerClient:
             max_context=self.engine.info.max_context,
             features=[FEATURE_RPC],
             vocab_size=vocab_size(self.fmt),
+            released=list(self._released.items()),
         )
 
     async def drain(self, timeout_s: float) -> None:
@@ -188,6 +191,7 @@ class WorkerClient:
             if not isinstance(first, WelcomeFrame):
                 raise FatalWorkerError(f"expected welcome, got {first.type}")
             log.info("connected as %s to %s", first.worker_id, url)
+            self._released.clear()  # this server has them now
             self._batching = FEATURE_BATCH in first.features
             self._drain_frames = FEATURE_DRAIN in first.features
             await self._send(CreditFrame(credits=self.options.max_parallel - len(self._tasks)))
@@ -202,6 +206,7 @@ class WorkerClient:
                         continue
                     if isinstance(frame, WorkFrame):
                         key = frame.message_id
+                        self._attempts[key] = frame.attempt
                         self._tasks[key] = asyncio.create_task(self._work(frame), name=f"work-{key}")
                     elif isinstance(frame, CancelFrame):
                         await self.engine.abort(_request_id(frame.message_id, frame.attempt))
@@ -279,6 +284,10 @@ class WorkerClient:
             raise
 
     async def _abort_all(self) -> None:
+        for key in self._tasks:
+            if key in self._attempts:
+                self._released[key] = self._attempts[key]
+        self._attempts.clear()
         tasks = list(self._tasks.values())
         for t in tasks:
             t.cancel()
@@ -316,6 +325,7 @@ class WorkerClient:
             )
         finally:
             self._tasks.pop(frame.message_id, None)
+            self._attempts.pop(frame.message_id, None)
         if not self.draining:
             await self._send_quietly(CreditFrame(credits=1))
 

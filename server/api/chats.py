@@ -12,7 +12,7 @@ from sse_starlette import EventSourceResponse
 from server.admission import admit
 from server.api.deps import RepoDep, StateDep
 from server.api.sse import message_events
-from server.errors import ApiError
+from server.errors import ApiError, is_unavailable
 from server.queue.protocol import QueueFull
 from server.repository import chat_to_list_read, message_to_read
 from shared.api import (
@@ -60,8 +60,15 @@ async def is_offered(state: StateDep, model: str) -> bool:
     if model in names and time.monotonic() - seen_at < _OFFERED_TTL_S:
         return True
     names = frozenset(await offered_models(state))
-    state.offered_cache = (time.monotonic(), names)
-    return model in names or model in await state.directory.recent_models(state.settings.model_grace_s)
+    now = time.monotonic()
+    state.offered_cache = (now, names)
+    state.models_seen.update(dict.fromkeys(names, now))
+    if model in names:
+        return True
+    grace = state.settings.model_grace_s
+    if now - state.models_seen.get(model, -grace) < grace:
+        return True
+    return model in await state.directory.recent_models(grace)
 
 
 @configs_router.get("/model_configs")
@@ -143,6 +150,11 @@ async def create_assistant_message(
         raise ApiError(
             ErrorCode.queue_full, "the server is busy; try again later", headers={"Retry-After": "5"}
         ) from exc
+    except Exception as exc:
+        if not is_unavailable(exc):
+            raise
+        # Redis away: the message is stored (pending); it is queued as soon as Redis answers again
+        state.hub.enqueue_later(body.model_config_name, msg.id, msg.attempt)
     return message_to_read(msg)
 
 

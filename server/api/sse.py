@@ -8,6 +8,7 @@ from SQL: the stored completion tokens, sliced by their stored text offsets, the
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,6 +16,7 @@ import orjson
 from pydantic import BaseModel
 from sse_starlette import ServerSentEvent
 
+from server.errors import is_unavailable
 from server.models import Message, MessageTokens
 from server.repository import message_to_read
 from server.state import AppState
@@ -22,6 +24,8 @@ from server.streams.protocol import StreamDone, StreamReset, TokenBatch
 from shared.api import FINISHED_STATES, MessageState
 from shared.events import ErrorEvent, MessageEvent, PendingEvent, ResetEvent
 from shared.packing import unpack_floats, unpack_ids
+
+log = logging.getLogger(__name__)
 
 # Re-check the database after this many empty waits (a safety net for streams that never end).
 _DB_RECHECK_EVERY = 5
@@ -82,7 +86,23 @@ async def _final_events(
     return out
 
 
+# Sent when Redis or the database goes away mid-stream: the client reconnects after a second with
+# Last-Event-ID and continues where it was (EventSource does so by itself).
+_RETRY_HINT = b": a backing service is unavailable; reconnect\r\nretry: 1000\r\n\r\n"
+
+
 async def message_events(state: AppState, msg: Message, after: int) -> AsyncIterator[ServerSentEvent | bytes]:
+    try:
+        async for event in _message_events(state, msg, after):
+            yield event
+    except Exception as exc:
+        if not is_unavailable(exc):
+            raise
+        log.warning("events of %s: %r; the reader is told to reconnect", msg.id, exc)
+        yield _RETRY_HINT
+
+
+async def _message_events(state: AppState, msg: Message, after: int) -> AsyncIterator[ServerSentEvent | bytes]:
     if msg.state in FINISHED_STATES and not await state.streams.exists(msg.id):
         for ev in await _final_events(state, msg.id, after):
             yield ev

@@ -12,7 +12,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from server.api.chats import is_offered, offered_models
-from server.errors import ApiError
+from server.errors import ApiError, is_unavailable
 from server.models import Message
 from server.openai.follow import Finished, Progress, follow
 from server.openai.responses import sse
@@ -106,6 +106,11 @@ async def enqueue(state: AppState, messages: list[Message]) -> None:
             raise ApiError(
                 ErrorCode.queue_full, "the server is busy; try again later", headers={"Retry-After": "5"}
             ) from exc
+        except Exception as exc:
+            if not is_unavailable(exc):
+                raise
+            # Redis away: the message is stored (pending) and queued as soon as Redis answers again
+            state.hub.enqueue_later(msg.model_config_name or "", msg.id, msg.attempt)
 
 
 async def collect(state: AppState, message_id: str) -> tuple[Finished, Progress]:

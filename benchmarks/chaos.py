@@ -1,0 +1,459 @@
+"""Chaos run: users chat through server replicas while workers, replicas and Redis are SIGKILLed.
+
+    python benchmarks/chaos.py [--duration 60] [--users 8] [--replicas 2] [--workers 2]
+                               [--kill-every 10,20] [--tokens 24] [--seed 0] [--json]
+
+Real processes on one machine: PostgreSQL (tests/services.py: the local server or a private one;
+a fresh database), a private redis-server without persistence, ``--replicas`` server processes and
+``--workers`` hf workers (the tiny chatml model), each worker connected to all replicas (it moves
+to the next one when its replica dies). Users chat in closed loops through random replicas over
+HTTP + SSE; a reader whose connection breaks resumes on another replica with Last-Event-ID.
+
+Every ``--kill-every`` seconds (uniform between the two bounds) a random worker or replica is
+killed with SIGKILL and started again a moment later; Redis is killed and restarted (empty) once,
+half-way. After the run the chaos stops and every requested message is given ``--settle`` seconds
+to end. Then, from the API (SQL behind it) and each reader's log:
+
+- lost: a message the API accepted (200) that is not stored;
+- stuck: a message still pending or in progress after the settle time;
+- duplicated / missed tokens: a reader saw an index twice (without a reset) or skipped one, or what
+  it saw differs from the stored completion;
+- 5xx: responses with status >= 500 (each counted; connection errors to a killed replica are not);
+- kill -> next token: for each kill, the time until each message that was streaming then got its
+  next token (p50 / p99).
+
+Exit status 1 if any of lost, stuck, duplicated, missed or 5xx is not 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.exactness import prepare_model
+from tokentrail.launcher import die_with_parent
+
+MODEL = "tiny"
+SECRET = "chaos-benchmark-secret-0123456789abcdef"
+FINAL_STATES = {"complete", "aborted_by_worker", "cancelled", "timeout"}
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return round(s[min(len(s) - 1, int(q * len(s)))], 3)
+
+
+# ---- processes -----------------------------------------------------------------------------------
+class Proc:
+    """One restartable child process (a replica or a worker), its output appended to a log."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log: Path) -> None:
+        self.name, self.cmd, self.env, self.log = name, cmd, env, log
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.kills = 0
+
+    def start(self) -> None:
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env, preexec_fn=die_with_parent
+            )
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            self.kills += 1
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@dataclass
+class Cluster:
+    urls: list[str]
+    replicas: list[Proc]
+    workers: list[Proc]
+    redis: Any
+
+
+@contextlib.contextmanager
+def cluster(work: Path, replicas: int, workers: int, model_dir: str, logs: Path | None = None) -> Iterator[Cluster]:
+    from tests import services
+    from tokentrail.launcher import free_port
+
+    with services.postgres_service() as pg:
+        redis = services.RestartableRedis().start()
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "TOKENTRAIL_DATABASE_URL": pg,
+            "TOKENTRAIL_REDIS_URL": redis.url,
+            "TOKENTRAIL_AUTH_SECRET": SECRET,
+            "TOKENTRAIL_ALLOW_DEBUG_AUTH": "true",
+            "TOKENTRAIL_RATE_LIMIT_PER_MINUTE": "0",
+            "TOKENTRAIL_DATA_DIR": str(work),
+        }
+        py = [sys.executable, "-m", "tokentrail"]
+        procs: list[Proc] = []
+        try:
+            up = subprocess.run([*py, "db", "upgrade"], env=env, capture_output=True, check=False)
+            if up.returncode != 0:
+                raise RuntimeError(up.stderr.decode()[-3000:])
+            made = subprocess.run(
+                [*py, "admin", "create-worker-key", "--name", "chaos"], env=env, capture_output=True, check=False
+            )
+            if made.returncode != 0:
+                raise RuntimeError(made.stderr.decode()[-3000:])
+            key = made.stdout.decode().split()[-1]
+            ports = [free_port() for _ in range(replicas)]
+            urls = [f"http://127.0.0.1:{p}" for p in ports]
+            servers = [
+                Proc(
+                    f"server-{i}",
+                    [*py, "serve", "--port", str(p), "--log-level", "warning"],
+                    env,
+                    work / f"server-{i}.log",
+                )
+                for i, p in enumerate(ports)
+            ]
+            wenv = {**env, "OMP_NUM_THREADS": "1"}
+            workers_ = []
+            for i in range(workers):
+                order = urls[i % replicas :] + urls[: i % replicas]  # spread the workers over the replicas
+                cmd = [*py, "worker", "--server-url", ",".join(order), "--api-key", key, "--model", model_dir,
+                       "--served-model-name", MODEL, "--max-parallel", "4", "--threads", "1", "--log-level", "warning",
+                       "--drain-timeout", "5"]  # fmt: skip
+                workers_.append(Proc(f"worker-{i}", cmd, wenv, work / f"worker-{i}.log"))
+            procs = servers + workers_
+            for p in servers:
+                p.start()
+            _wait(lambda: all(_get(u, "/health") == 200 for u in urls), 60, "replicas")
+            for p in workers_:
+                p.start()
+            _wait(lambda: _offered(urls[0]) >= workers, 180, "workers")
+            yield Cluster(urls, servers, workers_, redis)
+        finally:
+            for p in procs:
+                p.stop()
+            redis.stop()
+            if logs is not None:
+                logs.mkdir(parents=True, exist_ok=True)
+                for f in work.glob("*.log"):
+                    shutil.copy(f, logs / f.name)
+
+
+def _get(url: str, path: str) -> int:
+    try:
+        return httpx.get(url + path, timeout=2).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def _offered(url: str) -> int:
+    try:
+        models = httpx.get(url + "/configs/model_configs", timeout=2).json()
+    except (httpx.HTTPError, ValueError):
+        return 0
+    return sum(m["workers"] for m in models if m["name"] == MODEL) if isinstance(models, list) else 0
+
+
+def _wait(check: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} not ready after {timeout:.0f}s")
+        time.sleep(0.3)
+
+
+# ---- users ---------------------------------------------------------------------------------------
+@dataclass
+class Tally:
+    requested: dict[str, str] = field(default_factory=dict)  # message id -> chat id
+    seen: dict[str, dict[int, int]] = field(default_factory=dict)  # message id -> index -> token id
+    duplicated: int = 0
+    last_token_at: dict[str, float] = field(default_factory=dict)  # streaming message -> time
+    finished: set[str] = field(default_factory=set)
+    status_5xx: Counter[str] = field(default_factory=Counter)
+    refused: Counter[str] = field(default_factory=Counter)  # 4xx codes (e.g. 503 is counted above)
+    kill_gaps: list[float] = field(default_factory=list)
+    pending_kills: list[tuple[float, set[str]]] = field(default_factory=list)
+
+
+class User:
+    def __init__(self, name: str, urls: list[str], tally: Tally, tokens: int, rng: random.Random) -> None:
+        self.name, self.urls, self.tally, self.tokens, self.rng = name, urls, tally, tokens, rng
+        self.headers: dict[str, str] = {}
+
+    def url(self) -> str:
+        return self.rng.choice(self.urls)
+
+    async def call(self, client: httpx.AsyncClient, method: str, path: str, **kw: Any) -> httpx.Response | None:
+        """One API call, retried on another replica while the chosen one is down or answers 503."""
+        for _ in range(60):
+            try:
+                resp = await client.request(method, self.url() + path, headers=self.headers, timeout=30, **kw)
+            except httpx.HTTPError:
+                await asyncio.sleep(0.5)
+                continue
+            if resp.status_code >= 500:
+                self.tally.status_5xx[f"{resp.status_code} {method} {path.split('/')[1]}"] += 1
+                await asyncio.sleep(float(resp.headers.get("Retry-After", "1")))
+                continue
+            return resp
+        return None
+
+    async def login(self, client: httpx.AsyncClient) -> None:
+        resp = await self.call(client, "GET", f"/auth/login/debug?username={self.name}", follow_redirects=True)
+        assert resp is not None and resp.status_code == 200, resp and resp.text
+        self.headers = {"Authorization": f"Bearer {resp.json()['access_token']['access_token']}"}
+
+    async def run(self, client: httpx.AsyncClient, stop: asyncio.Event) -> None:
+        await self.login(client)
+        while not stop.is_set():
+            resp = await self.call(client, "POST", "/chats", json={})
+            if resp is None or resp.status_code != 200:
+                continue
+            chat, parent = resp.json()["id"], None
+            for turn in range(3):
+                if stop.is_set():
+                    break
+                resp = await self.call(
+                    client,
+                    "POST",
+                    f"/chats/{chat}/prompter_message",
+                    json={"parent_id": parent, "content": f"turn {turn}"},
+                )
+                if resp is None or resp.status_code != 200:
+                    break
+                body = {"parent_id": resp.json()["id"], "model_config_name": MODEL,
+                        "sampling_parameters": {"max_new_tokens": self.tokens, "ignore_eos": True}}  # fmt: skip
+                resp = await self.call(client, "POST", f"/chats/{chat}/assistant_message", json=body)
+                if resp is None or resp.status_code != 200:
+                    if resp is not None:
+                        self.tally.refused[str(resp.json().get("code"))] += 1
+                        await asyncio.sleep(1)
+                    break
+                mid = resp.json()["id"]
+                self.tally.requested[mid] = chat
+                final = await self.follow(client, chat, mid, stop)
+                if final != "message":
+                    break
+                parent = mid
+
+    async def follow(self, client: httpx.AsyncClient, chat: str, mid: str, stop: asyncio.Event) -> str | None:
+        """Read the message's events to the end, resuming on another replica after a break."""
+        seen = self.tally.seen.setdefault(mid, {})
+        last = -1
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            headers = {**self.headers, "Accept": "text/event-stream"}
+            if last >= 0:
+                headers["Last-Event-ID"] = str(last)
+            try:
+                async with client.stream(
+                    "GET", f"{self.url()}/chats/{chat}/messages/{mid}/events", headers=headers, timeout=60
+                ) as resp:
+                    if resp.status_code >= 500:
+                        self.tally.status_5xx[f"{resp.status_code} GET events"] += 1
+                        await asyncio.sleep(1)
+                        continue
+                    if resp.status_code != 200:
+                        await asyncio.sleep(1)
+                        continue
+                    data = ""
+                    async for line in resp.aiter_lines():
+                        if line.startswith("data:"):
+                            data += line[5:].strip()
+                        elif line == "" and data:
+                            event = json.loads(data)
+                            data = ""
+                            kind = event.get("event_type")
+                            if kind == "token":
+                                i, tok = int(event["index"]), int(event["token_id"])
+                                if i in seen:
+                                    self.tally.duplicated += 1
+                                seen[i] = tok
+                                last = max(last, i)
+                                now = time.monotonic()
+                                self.tally.last_token_at[mid] = now
+                                self._after_kill(mid, now)
+                            elif kind == "reset":
+                                start = int(event["from_index"])
+                                for k in [k for k in seen if k >= start]:
+                                    del seen[k]
+                                last = start - 1
+                            elif kind in ("message", "error"):
+                                self.tally.last_token_at.pop(mid, None)
+                                self.tally.finished.add(mid)
+                                return str(kind)
+            except (httpx.HTTPError, json.JSONDecodeError):
+                await asyncio.sleep(0.3)
+        return None
+
+    def _after_kill(self, mid: str, now: float) -> None:
+        for at, waiting in self.tally.pending_kills:
+            if mid in waiting:
+                waiting.discard(mid)
+                self.tally.kill_gaps.append(now - at)
+
+
+# ---- chaos ---------------------------------------------------------------------------------------
+async def chaos(c: Cluster, tally: Tally, duration: float, every: tuple[float, float], rng: random.Random) -> list[str]:
+    log: list[str] = []
+    start = time.monotonic()
+    redis_at = start + duration / 2
+    redis_done = False
+    while (now := time.monotonic()) - start < duration:
+        await asyncio.sleep(min(rng.uniform(*every), max(0.0, start + duration - now)))
+        if time.monotonic() - start >= duration:
+            break
+        streaming = {m for m, t in tally.last_token_at.items() if time.monotonic() - t < 2.0}
+        at = time.monotonic()
+        if not redis_done and at >= redis_at:
+            redis_done = True
+            c.redis.kill()
+            await asyncio.sleep(0.5)
+            c.redis.start()
+            log.append(f"{at - start:6.1f}s redis killed and restarted empty")
+        else:
+            victim = rng.choice(c.workers + c.replicas)
+            victim.kill()
+            log.append(f"{at - start:6.1f}s {victim.name} killed")
+            await asyncio.sleep(1.0 if victim in c.workers else 2.0)
+            victim.start()
+        tally.pending_kills.append((at, streaming))
+        _say(log[-1])
+    return log
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    model_dir = prepare_model("chatml")
+    every = tuple(float(x) for x in args.kill_every.split(","))
+    with (
+        tempfile.TemporaryDirectory(prefix="tt-chaos-") as tmp,
+        cluster(Path(tmp), args.replicas, args.workers, model_dir, args.logs) as c,
+    ):
+        tally = Tally()
+        stop = asyncio.Event()
+        limits = httpx.Limits(max_connections=4 * args.users)
+        async with httpx.AsyncClient(limits=limits) as client:
+            users = [
+                User(f"chaos-{i}", c.urls, tally, args.tokens, random.Random(rng.random())) for i in range(args.users)
+            ]
+            tasks = [asyncio.create_task(u.run(client, stop)) for u in users]
+            _say(f"{args.users} users chatting for {args.duration:.0f}s; killing every {args.kill_every}s")
+            log = await chaos(c, tally, args.duration, every, rng)  # type: ignore[arg-type]
+            stop.set()
+            _say(f"chaos over; letting every message end (up to {args.settle:.0f}s)")
+            _, running = await asyncio.wait(tasks, timeout=args.settle)
+            for t in running:
+                t.cancel()
+            # every requested message, from the API
+            states: Counter[str] = Counter()
+            errors: Counter[str] = Counter()
+            lost = stuck = missed = mismatched = 0
+            stuck_ids: list[str] = []
+            for mid, chat in tally.requested.items():
+                resp = None
+                for u in users:
+                    r = await u.call(client, "GET", f"/chats/{chat}/messages/{mid}", params={"include": "tokens"})
+                    if r is not None and r.status_code == 200:
+                        resp = r
+                        break
+                if resp is None:
+                    lost += 1
+                    continue
+                msg = resp.json()
+                states[msg["state"]] += 1
+                if msg.get("error_code"):
+                    errors[msg["error_code"]] += 1
+                if msg["state"] not in FINAL_STATES:
+                    stuck += 1
+                    stuck_ids.append(mid)
+                    continue
+                seen = tally.seen.get(mid, {})
+                if seen and sorted(seen) != list(range(max(seen) + 1)):
+                    missed += 1
+                stored = msg.get("completion_token_ids") or []
+                if mid in tally.finished and msg["state"] == "complete" and [seen[i] for i in sorted(seen)] != stored:
+                    mismatched += 1
+    gaps = tally.kill_gaps
+    return {
+        "duration_s": args.duration,
+        "users": args.users,
+        "replicas": args.replicas,
+        "workers": args.workers,
+        "kills": log,
+        "messages_requested": len(tally.requested),
+        "states": dict(states),
+        "error_codes": dict(errors),
+        "lost": lost,
+        "stuck": stuck,
+        "stuck_ids": stuck_ids[:20],
+        "duplicated_tokens": tally.duplicated,
+        "missed_tokens": missed,
+        "stream_differs_from_stored": mismatched,
+        "http_5xx": sum(tally.status_5xx.values()),
+        "http_5xx_by_route": dict(tally.status_5xx),
+        "refused": dict(tally.refused),
+        "kill_to_next_token_s": {"n": len(gaps), "p50": _pct(gaps, 0.5), "p99": _pct(gaps, 0.99)},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=float, default=60.0)
+    ap.add_argument("--users", type=int, default=8)
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--kill-every", default="10,20", help="seconds between kills: min,max")
+    ap.add_argument("--tokens", type=int, default=48, help="tokens per reply")
+    ap.add_argument("--settle", type=float, default=120.0, help="seconds for messages to end after the chaos")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--logs", type=Path, default=None, help="copy the servers' and workers' logs here")
+    args = ap.parse_args()
+    result = asyncio.run(run(args))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for k, v in result.items():
+            print(f"{k}: {v}")
+    bad = ("lost", "stuck", "duplicated_tokens", "missed_tokens", "stream_differs_from_stored", "http_5xx")
+    sys.exit(1 if any(result[k] for k in bad) else 0)
+
+
+if __name__ == "__main__":
+    main()

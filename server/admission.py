@@ -12,10 +12,12 @@ Two checks, both answered with 429 and Retry-After:
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import TYPE_CHECKING
 
+from redis.exceptions import RedisError
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -23,6 +25,8 @@ from server.errors import ApiError
 from server.models import Chat, Message
 from shared.api import MessageState
 from shared.errors import ErrorCode
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -66,7 +70,11 @@ class RateLimiter:
             return 0.0
         cost = min(cost, self.burst)  # a request larger than the burst takes all of it, not forever
         if self._script is not None:
-            wait = await self._script(keys=[f"tt:rate:{user_id}"], args=[self.interval_ms, self.tolerance_ms, cost])
+            try:
+                wait = await self._script(keys=[f"tt:rate:{user_id}"], args=[self.interval_ms, self.tolerance_ms, cost])
+            except RedisError as exc:  # Redis away: admit (fail open) rather than refuse everyone
+                log.warning("rate limit not checked: %r", exc)
+                return 0.0
             return float(wait)
         now = time.monotonic() * 1000
         tat = max(self._tat.get(user_id, now), now)

@@ -22,6 +22,7 @@ import uvicorn
 
 from server.app import create_app
 from server.settings import ServerSettings
+from shared.protocol import PROTOCOL_VERSION, HelloFrame
 from worker.chat_format import ChatFormat
 from worker.client import WorkerClient, WorkerOptions
 from worker.engines.contract import Engine
@@ -146,4 +147,38 @@ def spawn(args: list[str], env: dict[str, str] | None = None, log: Path | None =
         stdout=out,
         stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
+
+
+def start_reply(url: str, headers: dict[str, str], model: str, tokens: int, text: str = "go on") -> tuple[str, str]:
+    """A new chat with one prompter message and an assistant reply of exactly ``tokens`` tokens
+    (ignore_eos) requested; returns (chat id, assistant message id)."""
+    chat = httpx.post(f"{url}/chats", json={}, headers=headers).json()["id"]
+    prompt = httpx.post(
+        f"{url}/chats/{chat}/prompter_message", json={"parent_id": None, "content": text}, headers=headers
+    ).json()["id"]
+    reply = httpx.post(
+        f"{url}/chats/{chat}/assistant_message",
+        json={
+            "parent_id": prompt,
+            "model_config_name": model,
+            "sampling_parameters": {"max_new_tokens": tokens, "ignore_eos": True},
+        },
+        headers=headers,
+    )
+    assert reply.status_code == 200, reply.text
+    return chat, reply.json()["id"]
+
+
+def fake_hello(model: str, *, engine: str = "none", capacity: int = 1, vocab_size: int | None = None) -> HelloFrame:
+    """The hello of a protocol-level test peer (no tokenizer, no engine)."""
+    return HelloFrame(
+        protocol_version=PROTOCOL_VERSION,
+        model_name=model,
+        engine=engine,
+        tokenizer_hash="t",
+        template_hash="t",
+        compat_hash="c",
+        capacity=capacity,
+        vocab_size=vocab_size,
     )

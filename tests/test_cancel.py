@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from server.settings import ServerSettings
-from tests.stack import MODEL, ServerThread, free_port, wait_for, worker_key
+from tests.stack import MODEL, ServerThread, free_port, start_reply, wait_for, worker_key
 from tests.test_api_errors import expect
 from tests.test_e2e_embedded import events, login
 from tests.test_export import export
@@ -23,30 +23,12 @@ from tests.test_limits import MODEL as IDLE_MODEL
 from tests.test_limits import IdleWorker
 
 
-def _start(url: str, headers: dict[str, str], model: str, tokens: int) -> tuple[str, str]:
-    chat = httpx.post(f"{url}/chats", json={}, headers=headers).json()["id"]
-    prompt = httpx.post(
-        f"{url}/chats/{chat}/prompter_message", json={"parent_id": None, "content": "go on"}, headers=headers
-    ).json()["id"]
-    reply = httpx.post(
-        f"{url}/chats/{chat}/assistant_message",
-        json={
-            "parent_id": prompt,
-            "model_config_name": model,
-            "sampling_parameters": {"max_new_tokens": tokens, "ignore_eos": True},
-        },
-        headers=headers,
-    )
-    assert reply.status_code == 200, reply.text
-    return chat, reply.json()["id"]
-
-
 def test_cancel_a_running_message_keeps_its_tokens(
     embedded_stack: str, embedded_settings: ServerSettings, tmp_path: Path
 ) -> None:
     url = embedded_stack
     headers = login(url, "canceller")
-    chat, mid = _start(url, headers, MODEL, 4000)
+    chat, mid = start_reply(url, headers, MODEL, 4000)
     seen: list[dict[str, Any]] = []
     reader = threading.Thread(target=events, args=(url, f"/chats/{chat}/messages/{mid}/events", headers, None, seen))
     reader.start()
@@ -88,7 +70,7 @@ def test_cancel_a_running_message_keeps_its_tokens(
 def test_cancel_a_finished_message_is_409(embedded_stack: str) -> None:
     url = embedded_stack
     headers = login(url, "late-canceller")
-    chat, mid = _start(url, headers, MODEL, 3)
+    chat, mid = start_reply(url, headers, MODEL, 3)
     assert events(url, f"/chats/{chat}/messages/{mid}/events", headers)[-1]["event_type"] == "message"
     expect(httpx.post(f"{url}/chats/{chat}/messages/{mid}/cancel", headers=headers), 409, "message_finished")
     other = login(url, "not-the-owner")
@@ -108,7 +90,7 @@ def idle_server(tmp_path: Path) -> Any:
 def test_cancel_a_queued_message(idle_server: ServerThread) -> None:
     url = idle_server.url
     headers = login(url, "queued-canceller")
-    chat, mid = _start(url, headers, IDLE_MODEL, 10)
+    chat, mid = start_reply(url, headers, IDLE_MODEL, 10)
     seen: list[dict[str, Any]] = []
     reader = threading.Thread(target=events, args=(url, f"/chats/{chat}/messages/{mid}/events", headers, None, seen))
     reader.start()

@@ -21,8 +21,8 @@ import pytest
 import websockets
 
 from server.settings import ServerSettings
-from shared.protocol import PROTOCOL_VERSION, GenerationRecord, HelloFrame, WorkFrame
-from tests.stack import ServerThread, free_port, worker_key
+from shared.protocol import GenerationRecord, WorkFrame
+from tests.stack import ServerThread, fake_hello, free_port, start_reply, worker_key
 from tests.test_e2e_embedded import events, login
 
 MODEL = "hostile"
@@ -61,16 +61,7 @@ class HostileWorker:
 
     async def _run(self) -> None:
         self.task = asyncio.current_task()
-        hello = HelloFrame(
-            protocol_version=PROTOCOL_VERSION,
-            model_name=MODEL,
-            engine="hostile",
-            tokenizer_hash="t",
-            template_hash="t",
-            compat_hash="c",
-            capacity=8,
-            vocab_size=VOCAB,
-        )
+        hello = fake_hello(MODEL, engine="hostile", capacity=8, vocab_size=VOCAB)
         try:
             async with websockets.connect(self.url, additional_headers={"Authorization": f"Bearer {self.key}"}) as ws:
                 await ws.send(hello.model_dump_json())
@@ -169,17 +160,7 @@ def test_a_bad_frame_ends_only_its_attempt(stack: tuple[str, HostileWorker], kin
     headers = login(url, f"victim-{kind}")
     replies = {}
     for text in (kind, "good"):  # the good message shares the connection with the bad one
-        chat = httpx.post(f"{url}/chats", json={}, headers=headers).json()["id"]
-        prompt = httpx.post(
-            f"{url}/chats/{chat}/prompter_message", json={"parent_id": None, "content": text}, headers=headers
-        ).json()["id"]
-        reply = httpx.post(
-            f"{url}/chats/{chat}/assistant_message",
-            json={"parent_id": prompt, "model_config_name": MODEL, "sampling_parameters": {"max_new_tokens": 8}},
-            headers=headers,
-        )
-        assert reply.status_code == 200, reply.text
-        replies[text] = (chat, reply.json()["id"])
+        replies[text] = start_reply(url, headers, MODEL, 8, text=text)
     for text, (chat, mid) in replies.items():
         seen = events(url, f"/chats/{chat}/messages/{mid}/events", headers)
         streamed = [e["token_id"] for e in seen if e["event_type"] == "token"]

@@ -21,8 +21,7 @@ import websockets
 
 from server.admission import RateLimiter
 from server.settings import ServerSettings
-from shared.protocol import PROTOCOL_VERSION, HelloFrame
-from tests.stack import ServerThread, free_port, worker_key
+from tests.stack import ServerThread, fake_hello, free_port, worker_key
 from tests.test_e2e_embedded import login
 
 MODEL = "idle-model"
@@ -41,15 +40,7 @@ class IdleWorker:
 
     async def _run(self) -> None:
         self.stop_event = asyncio.Event()
-        hello = HelloFrame(
-            protocol_version=PROTOCOL_VERSION,
-            model_name=MODEL,
-            engine="none",
-            tokenizer_hash="t",
-            template_hash="t",
-            compat_hash="c",
-            capacity=1,
-        )
+        hello = fake_hello(MODEL)
         async with websockets.connect(self.url, additional_headers={"Authorization": f"Bearer {self.key}"}) as ws:
             await ws.send(hello.model_dump_json())
             await ws.recv()

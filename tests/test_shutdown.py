@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from server.settings import ServerSettings
-from tests.stack import ServerThread, free_port, wait_for, worker_key
+from tests.stack import ServerThread, free_port, start_reply, wait_for, worker_key
 from tests.test_e2e_embedded import events, login
 
 MODEL = "drainer"
@@ -36,24 +36,6 @@ def _offered(url: str) -> bool:
     return resp.status_code == 200 and any(m["name"] == MODEL for m in resp.json())
 
 
-def _ask(url: str, headers: dict[str, str], tokens: int) -> tuple[str, str]:
-    chat = httpx.post(f"{url}/chats", json={}, headers=headers).json()["id"]
-    prompt = httpx.post(
-        f"{url}/chats/{chat}/prompter_message", json={"parent_id": None, "content": "hello"}, headers=headers
-    ).json()["id"]
-    reply = httpx.post(
-        f"{url}/chats/{chat}/assistant_message",
-        json={
-            "parent_id": prompt,
-            "model_config_name": MODEL,
-            "sampling_parameters": {"max_new_tokens": tokens, "ignore_eos": True},
-        },
-        headers=headers,
-    )
-    assert reply.status_code == 200, reply.text
-    return chat, reply.json()["id"]
-
-
 def test_sigterm_drains_a_worker(tmp_path: Path, tiny_model_dir: Path) -> None:
     settings = ServerSettings(data_dir=tmp_path / "data", port=free_port())
     server = ServerThread(settings).start()
@@ -62,7 +44,7 @@ def test_sigterm_drains_a_worker(tmp_path: Path, tiny_model_dir: Path) -> None:
     try:
         wait_for(lambda: _offered(server.url), 120, "worker")
         headers = login(server.url, "drain")
-        chat, mid = _ask(server.url, headers, 300)
+        chat, mid = start_reply(server.url, headers, MODEL, 300, text="hello")
         wait_for(
             lambda: (
                 httpx.get(f"{server.url}/chats/{chat}/messages/{mid}", headers=headers).json()["state"] == "in_progress"
@@ -78,7 +60,7 @@ def test_sigterm_drains_a_worker(tmp_path: Path, tiny_model_dir: Path) -> None:
         assert worker.wait(timeout=60) == 0, (tmp_path / "worker.log").read_text()[-3000:]
         assert "draining" in (tmp_path / "worker.log").read_text()
         # work asked for after the drain waits for the next worker
-        later_chat, later = _ask(server.url, headers, 4)
+        later_chat, later = start_reply(server.url, headers, MODEL, 4, text="hello")
         time.sleep(1)
         state = httpx.get(f"{server.url}/chats/{later_chat}/messages/{later}", headers=headers).json()["state"]
         assert state == "pending"

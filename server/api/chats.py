@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import secrets
 import time
 from typing import Annotated
@@ -59,7 +60,12 @@ async def is_offered(state: StateDep, model: str) -> bool:
     seen_at, names = state.offered_cache
     if model in names and time.monotonic() - seen_at < _OFFERED_TTL_S:
         return True
-    names = frozenset(await offered_models(state))
+    try:
+        names = frozenset(await offered_models(state))
+    except Exception as exc:  # Redis away: answer from what this process saw within the grace period
+        if not is_unavailable(exc):
+            raise
+        return time.monotonic() - state.models_seen.get(model, -math.inf) < state.settings.model_grace_s
     now = time.monotonic()
     state.offered_cache = (now, names)
     state.models_seen.update(dict.fromkeys(names, now))

@@ -59,13 +59,16 @@ def _token_events(batch: TokenBatch, after: int) -> bytes:
 async def _final_events(
     state: AppState, message_id: str, after: int, *, replay: bool = True
 ) -> list[ServerSentEvent | bytes]:
-    """From SQL: the tokens after ``after`` (unless ``replay`` is off: the reader has them all from
-    the stream), then the final message or error event."""
+    """From SQL: the tokens after ``after``, then the final message or error event. Without
+    ``replay`` (the reader followed the stream to its end) the tokens are read only if the stored
+    completion is longer than what the reader got: a stream that lost entries (Redis restarted
+    mid-message) is completed from SQL."""
     async with state.sessions() as s:
         msg = await s.get(Message, message_id)
         if msg is None:
             return [_event(ErrorEvent(error="message was deleted", code="message_not_found"))]
-        tokens = await s.get(MessageTokens, message_id) if replay else None
+        behind = (msg.completion_token_count or 0) > after + 1
+        tokens = await s.get(MessageTokens, message_id) if replay or behind else None
     out: list[ServerSentEvent | bytes] = []
     if tokens is not None:
         ids = unpack_ids(tokens.completion_ids)

@@ -28,7 +28,7 @@ from server.settings import ServerSettings
 from server.state import AppState
 from server.streams.protocol import TokenStreams
 from server.worker_hub import WorkerHub
-from shared.errors import ErrorCode
+from shared.errors import API_ERROR_RESPONSES, OPENAI_ERROR_RESPONSES, ErrorCode
 
 log = logging.getLogger(__name__)
 
@@ -118,13 +118,10 @@ def create_app(settings: ServerSettings) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes)
     app.include_router(health_router)
-    app.include_router(auth_router)
-    app.include_router(configs_router)
-    app.include_router(chats_router)
-    app.include_router(admin_router)
-    app.include_router(openai_router)
-    app.include_router(completions_router)
-    app.include_router(tokenizer_router)
+    for router in (auth_router, configs_router, chats_router, admin_router):
+        app.include_router(router, responses=API_ERROR_RESPONSES)
+    for router in (openai_router, completions_router, tokenizer_router):
+        app.include_router(router, responses=OPENAI_ERROR_RESPONSES)
 
     @app.websocket("/workers/work")
     async def worker_socket(ws: WebSocket) -> None:

@@ -8,10 +8,11 @@ anything else                     -> 500 {"detail": "internal error", "code": "i
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shared.errors import HTTP_STATUS, ErrorCode
@@ -65,6 +66,16 @@ def is_unavailable(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError | PermissionError)
 
 
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at this path (as the OpenAPI document lists them)."""
+    methods: set[str] = set()
+    for template, operations in request.app.openapi().get("paths", {}).items():
+        pattern = re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(template))
+        if re.fullmatch(pattern, request.url.path):
+            methods |= {m.upper() for m in operations}
+    return sorted(methods)
+
+
 def is_openai_path(path: str) -> bool:
     return path.startswith(_OPENAI_PREFIXES)
 
@@ -110,19 +121,23 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse({"detail": safe, "code": ErrorCode.validation_error.value}, status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:  # Starlette names only the first matching route's methods
+            allow = ", ".join(allowed_methods(request))
+            if request.method == "OPTIONS":
+                return Response(status_code=204, headers={"Allow": allow})
+            headers = {**(headers or {}), "Allow": allow}
         if is_openai_path(request.url.path):
-            code = "not_found" if exc.status_code == 404 else ErrorCode.bad_request.value
+            code = ErrorCode.not_found.value if exc.status_code == 404 else ErrorCode.bad_request.value
             return JSONResponse(
-                openai_error_body(exc.status_code, str(exc.detail), code),
-                status_code=exc.status_code,
-                headers=getattr(exc, "headers", None),
+                openai_error_body(exc.status_code, str(exc.detail), code), status_code=exc.status_code, headers=headers
             )
         code = {404: ErrorCode.bad_request, 405: ErrorCode.bad_request}.get(exc.status_code, ErrorCode.bad_request)
         return JSONResponse(
-            {"detail": exc.detail, "code": "not_found" if exc.status_code == 404 else code.value},
+            {"detail": exc.detail, "code": ErrorCode.not_found.value if exc.status_code == 404 else code.value},
             status_code=exc.status_code,
-            headers=getattr(exc, "headers", None),
+            headers=headers,
         )
 
     @app.exception_handler(Exception)

@@ -25,6 +25,7 @@ from sqlalchemy import select
 
 from server.auth import hash_key
 from server.db import SessionFactory
+from server.errors import is_unavailable
 from server.models import WorkerKey, utcnow
 from server.queue.protocol import QueueFull, WorkerDirectory, WorkerEntry, WorkItem, WorkQueue
 from server.queue.rpc_relay import RedisRpcRelay, RelayError, RelayTimeout
@@ -765,17 +766,24 @@ class WorkerHub:
                         if any(item.message_id in c.inflight for c in self.connections.values()):
                             continue
                         await self._requeue(item)
-            except Exception:
-                log.exception("reaper pass failed")
+            except Exception as exc:
+                _log_pass_failure("reaper", exc)
 
 
 async def _forever(interval: float, job: Any, name: str) -> None:
     while True:
         try:
             await job()
-        except Exception:
-            log.exception("%s pass failed", name)
+        except Exception as exc:
+            _log_pass_failure(name, exc)
         await asyncio.sleep(interval)
+
+
+def _log_pass_failure(name: str, exc: Exception) -> None:
+    if is_unavailable(exc):  # Redis or the database restarting: the next pass retries
+        log.warning("%s pass skipped: %r", name, exc)
+    else:
+        log.error("%s pass failed", name, exc_info=exc)
 
 
 def token_problem(ids: list[int], logprobs: list[float | None], vocab_size: int | None) -> str | None:

@@ -25,6 +25,7 @@ class ErrorCode(StrEnum):
     # 404
     chat_not_found = "chat_not_found"
     message_not_found = "message_not_found"
+    not_found = "not_found"  # no such route
     model_not_found = "model_not_found"  # OpenAI API: no connected worker offers the model
     # 409
     parent_wrong_role = "parent_wrong_role"
@@ -65,6 +66,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.unsupported_parameter: 400,
     ErrorCode.invalid_messages: 400,
     ErrorCode.model_not_found: 404,
+    ErrorCode.not_found: 404,
     ErrorCode.no_worker: 503,
     ErrorCode.template_rejected: 400,
     ErrorCode.engine_error: 500,
@@ -97,5 +99,30 @@ HTTP_STATUS: dict[ErrorCode, int] = {
 
 
 class ErrorBody(BaseModel):
+    """Every error of the chat API (``detail``: text, or FastAPI's list of validation problems)."""
+
     detail: str | list[object]
     code: ErrorCode
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str
+
+
+class OpenAIErrorBody(BaseModel):
+    """Every error of the OpenAI-compatible routes, in OpenAI's shape."""
+
+    error: OpenAIErrorDetail
+
+
+_STATUSES = (400, 401, 403, 404, 409, 413, 422, 429, 503)
+# Documented on every route (OpenAPI): the statuses an error can have, and its body.
+API_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {s: {"model": ErrorBody} for s in _STATUSES}
+OPENAI_ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
+    s: {"model": OpenAIErrorBody}
+    for s in _STATUSES
+    if s != 422  # OpenAI answers bad fields with 400
+}

@@ -265,3 +265,14 @@ def test_rate_limiter_allows_the_burst_then_the_rate(backend: str, request: pyte
     assert waits[5:7] == [0, 0] and waits[7] > 0  # 250 ms later: two more slots
     assert waits[8] == 0  # another user has a budget of its own
     assert waits[9] == 0  # a request larger than the burst takes all of it (it would never fit)
+
+
+def test_options_and_405_name_every_method_of_the_path(server: ServerThread) -> None:
+    headers = login(server.url, "methods")
+    chat, _ = new_turn(server.url, headers)
+    resp = httpx.options(f"{server.url}/chats/{chat}", headers=headers)
+    assert resp.status_code == 204
+    assert set(resp.headers["Allow"].split(", ")) == {"GET", "PUT"}
+    resp = httpx.delete(f"{server.url}/chats/{chat}", headers=headers)
+    assert resp.status_code == 405 and resp.json()["code"] == "bad_request"
+    assert {"GET", "PUT"} <= set(resp.headers["Allow"].split(", "))

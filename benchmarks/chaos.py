@@ -68,6 +68,15 @@ def _pct(xs: list[float], q: float) -> float | None:
     return round(s[min(len(s) - 1, int(q * len(s)))], 3)
 
 
+def _gap_stats(gaps: list[float]) -> dict[str, Any]:
+    return {
+        "n": len(gaps),
+        "p50": _pct(gaps, 0.5),
+        "p99": _pct(gaps, 0.99),
+        "max": round(max(gaps), 3) if gaps else None,
+    }
+
+
 # ---- processes -----------------------------------------------------------------------------------
 class Proc:
     """One restartable child process (a replica or a worker), its output appended to a log."""
@@ -206,8 +215,10 @@ class Tally:
     finished: set[str] = field(default_factory=set)
     status_5xx: Counter[str] = field(default_factory=Counter)
     refused: Counter[str] = field(default_factory=Counter)  # 4xx codes (e.g. 503 is counted above)
-    kill_gaps: list[float] = field(default_factory=list)
-    pending_kills: list[tuple[float, set[str]]] = field(default_factory=list)
+    kill_gaps: list[tuple[str, str, float]] = field(default_factory=list)  # (victim kind, message, gap)
+    broken: set[str] = field(default_factory=set)  # messages whose reader's connection broke
+    attempts: dict[str, int] = field(default_factory=dict)  # message -> stored attempts, after the run
+    pending_kills: list[tuple[float, str, set[str]]] = field(default_factory=list)  # (at, kind, streaming)
 
 
 class User:
@@ -319,13 +330,14 @@ class User:
                                 return str(kind)
             except (httpx.HTTPError, json.JSONDecodeError):
                 await asyncio.sleep(0.3)
+            self.tally.broken.add(mid)
         return None
 
     def _after_kill(self, mid: str, now: float) -> None:
-        for at, waiting in self.tally.pending_kills:
+        for at, kind, waiting in self.tally.pending_kills:
             if mid in waiting:
                 waiting.discard(mid)
-                self.tally.kill_gaps.append(now - at)
+                self.tally.kill_gaps.append((kind, mid, now - at))
 
 
 # ---- chaos ---------------------------------------------------------------------------------------
@@ -343,17 +355,19 @@ async def chaos(c: Cluster, tally: Tally, duration: float, every: tuple[float, f
         if not redis_done and at >= redis_at:
             redis_done = True
             c.redis.kill()
+            tally.pending_kills.append((at, "redis", streaming))
             await asyncio.sleep(0.5)
             c.redis.start()
             log.append(f"{at - start:6.1f}s redis killed and restarted empty")
         else:
             victim = rng.choice(c.workers + c.replicas)
+            kind = "worker" if victim in c.workers else "replica"
             victim.kill()
+            tally.pending_kills.append((at, kind, streaming))
             log.append(f"{at - start:6.1f}s {victim.name} killed")
             await asyncio.sleep(1.0 if victim in c.workers else 2.0)
             victim.start()
-        tally.pending_kills.append((at, streaming))
-        _say(log[-1])
+        _say(f"{log[-1]} ({len(streaming)} streaming)")
     return log
 
 
@@ -396,6 +410,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     lost += 1
                     continue
                 msg = resp.json()
+                tally.attempts[mid] = int(msg.get("attempt") or 1)
                 states[msg["state"]] += 1
                 if msg.get("error_code"):
                     errors[msg["error_code"]] += 1
@@ -409,7 +424,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 stored = msg.get("completion_token_ids") or []
                 if mid in tally.finished and msg["state"] == "complete" and [seen[i] for i in sorted(seen)] != stored:
                     mismatched += 1
-    gaps = tally.kill_gaps
+    gaps = [g for _, _, g in tally.kill_gaps]
+    # Interrupted: its reader's connection broke or its generation was handed to another attempt.
+    hit = [(k, g) for k, m, g in tally.kill_gaps if m in tally.broken or tally.attempts.get(m, 1) > 1]
     return {
         "duration_s": args.duration,
         "users": args.users,
@@ -429,6 +446,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "http_5xx_by_route": dict(tally.status_5xx),
         "refused": dict(tally.refused),
         "kill_to_next_token_s": {"n": len(gaps), "p50": _pct(gaps, 0.5), "p99": _pct(gaps, 0.99)},
+        "interrupted_kill_to_next_token_s": _gap_stats([g for _, g in hit]),
+        "interrupted_by_victim_s": {
+            kind: _gap_stats([g for k, g in hit if k == kind]) for kind in sorted({k for k, _ in hit})
+        },
     }
 
 

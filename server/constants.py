@@ -3,6 +3,8 @@
 PREFIX = "tt:"
 # Work queue of one model: a stream with a consumer group (DESIGN D3).
 WORK_STREAM = PREFIX + "work:{model}"
+# Its retry lane: work lost after it was started or accepted, served first (uncapped).
+WORK_RETRY_STREAM = PREFIX + "retry:{model}"
 WORK_GROUP = "workers"
 # Enqueue / dequeue counters of one model, for queue positions.
 WORK_ENQ_COUNTER = PREFIX + "work:{model}:enq"

@@ -62,6 +62,7 @@ def message_to_read(msg: Message, tokens: MessageTokens | None = None) -> Messag
         finish_reason=msg.finish_reason,
         prompt_token_count=msg.prompt_token_count,
         completion_token_count=msg.completion_token_count,
+        attempt=msg.attempt if msg.role == "assistant" else None,
     )
     if tokens is not None:
         read.prompt_token_ids = unpack_ids(tokens.prompt_ids)

@@ -226,7 +226,7 @@ class WorkerHub:
                 new = await self.store.next_attempt(message_id, attempt)
                 if new is not None:
                     log.warning("worker reconnected without %s (attempt %d): requeueing", message_id, attempt)
-                    await self.queue.enqueue(hello.model_name, message_id, new)
+                    await self.queue.enqueue(hello.model_name, message_id, new, retry=True)
             except Exception as exc:  # the sweep requeues it later
                 log.warning("could not requeue released %s: %s", message_id, exc)
 
@@ -662,30 +662,27 @@ class WorkerHub:
             await self._finish_cancelled(item.message_id)  # cancelled while its worker was lost
         if attempt is not None:
             try:
-                await self.queue.enqueue(item.model, item.message_id, attempt)
-            except QueueFull:
-                await self._give_up(item, ErrorCode.worker_lost, "worker lost and the queue is full")
-                return
+                await self.queue.enqueue(item.model, item.message_id, attempt, retry=True)
             except Exception as exc:  # Redis away: pending in SQL, enqueued when it is back
                 log.warning("could not requeue %s now (%s); retrying in the background", item.message_id, exc)
-                self.enqueue_later(item.model, item.message_id, attempt)
+                self.enqueue_later(item.model, item.message_id, attempt, retry=True)
                 return
         await self.queue.ack(item)
 
-    def enqueue_later(self, model: str, message_id: str, attempt: int) -> None:
+    def enqueue_later(self, model: str, message_id: str, attempt: int, *, retry: bool = False) -> None:
         """Enqueue in the background, retrying while the queue (Redis) is away, for up to
         ``sweep_grace_s``; after that the sweep finds the message pending and not queued."""
-        task = asyncio.create_task(self._enqueue_retrying(model, message_id, attempt))
+        task = asyncio.create_task(self._enqueue_retrying(model, message_id, attempt, retry))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _enqueue_retrying(self, model: str, message_id: str, attempt: int) -> None:
+    async def _enqueue_retrying(self, model: str, message_id: str, attempt: int, retry: bool) -> None:
         deadline = time.monotonic() + self.settings.sweep_grace_s
         delay = 0.2
         while time.monotonic() < deadline:
             await asyncio.sleep(delay)
             try:
-                await self.queue.enqueue(model, message_id, attempt)
+                await self.queue.enqueue(model, message_id, attempt, retry=retry)
                 return
             except QueueFull:
                 return  # the sweep fails it if the queue stays full
@@ -742,11 +739,9 @@ class WorkerHub:
                 continue  # it moved on meanwhile
             log.warning("sweep: requeueing %s message %s (attempt %d)", msg.state, msg.id, attempt)
             try:
-                await self.queue.enqueue(model, msg.id, attempt)
-            except QueueFull:
-                error = "lost by the queue, which is now full"
-                if await self.store.fail(msg.id, attempt, ErrorCode.queue_full, error):
-                    await self.streams.finish(msg.id, StreamDone("error", error=error, code=ErrorCode.queue_full.value))
+                await self.queue.enqueue(model, msg.id, attempt, retry=True)
+            except Exception as exc:  # Redis away: the next pass tries again
+                log.warning("sweep: could not requeue %s: %s", msg.id, exc)
                 continue
             count += 1
         self.swept += count

@@ -120,6 +120,7 @@ class MessageRead(BaseModel):
     finish_reason: str | None = None
     prompt_token_count: int | None = None
     completion_token_count: int | None = None
+    attempt: int | None = None  # assistant: generation attempts (2+ when a lost worker's reply was continued)
     # only with ?include=tokens
     prompt_token_ids: list[int] | None = None
     completion_token_ids: list[int] | None = None

@@ -158,6 +158,60 @@ async def test_queue_full(make_queue: QueueFactory, model: str) -> None:
     await queue.enqueue(f"{model}-other", "msg-x", 1)  # limits are per model
 
 
+async def test_retry_lane_is_served_first_and_never_full(make_queue: QueueFactory, model: str) -> None:
+    queue = make_queue(max_queue_size=2)
+    await queue.enqueue(model, "new-0", 1)
+    await queue.enqueue(model, "new-1", 1)
+    await queue.enqueue(model, "lost-0", 2, retry=True)  # the new-work lane is full; retries still fit
+    await queue.enqueue(model, "lost-1", 3, retry=True)
+    assert await queue.holds(model, "lost-1")
+    assert (await queue.position(model, "lost-0"))[0] == 0
+    first = await queue.claim(model, "c1", count=3, timeout_s=0)
+    assert [(it.message_id, it.attempt, it.retry) for it in first] == [
+        ("lost-0", 2, True),
+        ("lost-1", 3, True),
+        ("new-0", 1, False),
+    ]
+    for item in first:
+        await queue.ack(item)
+    [rest] = await queue.claim(model, "c1", count=3, timeout_s=0)
+    assert rest.message_id == "new-1"
+    assert await queue.position(model, "new-1") == (0, 0)  # retries take no place in the count
+
+
+async def test_blocked_claim_wakes_on_a_retry(make_queue: QueueFactory, model: str) -> None:
+    queue = make_queue()
+    claim = asyncio.create_task(queue.claim(model, "c1", count=1, timeout_s=5))
+    await asyncio.sleep(0.2)
+    started = time.monotonic()
+    await queue.enqueue(model, "lost", 2, retry=True)
+    [item] = await claim
+    assert item.message_id == "lost" and item.retry
+    assert time.monotonic() - started < 2
+
+
+async def test_both_lanes_filling_at_once_never_overfill_a_claim(make_queue: QueueFactory, model: str) -> None:
+    """A claim blocked on both lanes may be woken with an entry from each; it keeps ``count``
+    items and hands the rest back, losing nothing."""
+    queue = make_queue()
+    for round_ in range(5):
+        claim = asyncio.create_task(queue.claim(model, "c1", count=1, timeout_s=5))
+        await asyncio.sleep(0.1)
+        await asyncio.gather(
+            queue.enqueue(model, f"new-{round_}", 1), queue.enqueue(model, f"lost-{round_}", 2, retry=True)
+        )
+        assert len(await claim) == 1
+    left: list[str] = []
+    while batch := await queue.claim(model, "c2", count=10, timeout_s=0):
+        left += [it.message_id for it in batch]
+        for item in batch:
+            await queue.ack(item)
+    # What is still claimed is exactly the five items c1 kept: no handed-back copy stayed pending.
+    kept = [it.message_id for it in await queue.reclaim(model, "c3", min_idle_s=0, count=100)]
+    assert len(kept) == 5 and set(kept).isdisjoint(left)
+    assert sorted(kept + left) == sorted([f"new-{i}" for i in range(5)] + [f"lost-{i}" for i in range(5)])
+
+
 async def test_position_and_size(make_queue: QueueFactory, model: str) -> None:
     queue = make_queue()
     for i in range(4):

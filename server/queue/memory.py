@@ -26,6 +26,7 @@ class _Pending:
 @dataclass
 class _ModelQueue:
     waiting: deque[WorkItem] = field(default_factory=deque)
+    retry: deque[WorkItem] = field(default_factory=deque)  # served before ``waiting``, uncapped
     pending: dict[str, _Pending] = field(default_factory=dict)  # delivery_id -> claim, FIFO
     # Set whenever ``waiting`` gains items; claimers wait on it.
     ready: asyncio.Event = field(default_factory=asyncio.Event)
@@ -45,30 +46,31 @@ class MemoryWorkQueue:
             queue = self._queues[model] = _ModelQueue()
         return queue
 
-    async def enqueue(self, model: str, message_id: str, attempt: int) -> None:
+    async def enqueue(self, model: str, message_id: str, attempt: int, *, retry: bool = False) -> None:
         queue = self._queue(model)
-        if len(queue.waiting) + len(queue.pending) >= self.max_queue_size:
+        if not retry and len(queue.waiting) + len(queue.pending) >= self.max_queue_size:
             raise QueueFull(model)
         delivery_id = f"m-{next(self._ids)}"
-        queue.waiting.append(WorkItem(model, message_id, attempt, delivery_id, deliveries=0))
+        item = WorkItem(model, message_id, attempt, delivery_id, deliveries=0, retry=retry)
+        (queue.retry if retry else queue.waiting).append(item)
         queue.ready.set()
 
     async def claim(self, model: str, consumer: str, count: int, timeout_s: float) -> list[WorkItem]:
         queue = self._queue(model)
         if count <= 0:
             return []
-        if not queue.waiting and timeout_s > 0:
+        if not queue.waiting and not queue.retry and timeout_s > 0:
             try:
                 async with asyncio.timeout(timeout_s):
-                    while not queue.waiting:
+                    while not queue.waiting and not queue.retry:
                         queue.ready.clear()
                         await queue.ready.wait()
             except TimeoutError:
                 return []
         now = time.monotonic()
         items: list[WorkItem] = []
-        while queue.waiting and len(items) < count:
-            item = queue.waiting.popleft()
+        while (queue.retry or queue.waiting) and len(items) < count:
+            item = (queue.retry or queue.waiting).popleft()
             item = replace(item, deliveries=item.deliveries + 1)
             queue.pending[item.delivery_id] = _Pending(item, consumer, now)
             items.append(item)
@@ -78,7 +80,8 @@ class MemoryWorkQueue:
         queue = self._queues.get(model)
         if queue is None:
             return False
-        return any(i.message_id == message_id for i in queue.waiting) or any(
+        waiting = (*queue.retry, *queue.waiting)
+        return any(i.message_id == message_id for i in waiting) or any(
             p.item.message_id == message_id for p in queue.pending.values()
         )
 
@@ -116,10 +119,11 @@ class MemoryWorkQueue:
         queue = self._queues.get(model)
         if queue is None:
             return 0, 0
-        for ahead, item in enumerate(queue.waiting):
+        waiting = (*queue.retry, *queue.waiting)
+        for ahead, item in enumerate(waiting):
             if item.message_id == message_id:
-                return ahead, len(queue.waiting)
-        return 0, len(queue.waiting)
+                return ahead, len(waiting)
+        return 0, len(waiting)
 
     async def close(self) -> None:
         self._queues.clear()

@@ -3,6 +3,11 @@
 The database is the source of truth for messages; the queue only delivers ``(message_id, attempt)``
 to workers (DESIGN D3). A claimed item stays pending until ``ack``; items whose claimer died are
 handed out again by ``reclaim``; ``deliveries`` counts how often an item was handed out.
+
+Each model has two lanes: new work, in arrival order, and a retry lane for work that was already
+started or accepted and then lost (a dead worker, a dead replica, a Redis restart). ``claim``
+serves the retry lane first, and the retry lane is not capped (its items were admitted once
+already), so a reader waiting mid-stream is resumed before new work starts.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ class WorkItem:
     attempt: int
     delivery_id: str  # backend-specific id of this queue entry (the stream entry id in Redis)
     deliveries: int = 1
+    retry: bool = False  # in the retry lane
 
 
 @dataclass(frozen=True)
@@ -39,12 +45,14 @@ class WorkerEntry:
 
 
 class WorkQueue(Protocol):
-    async def enqueue(self, model: str, message_id: str, attempt: int) -> None:
-        """Append an item; raise QueueFull when the model's queue is full."""
+    async def enqueue(self, model: str, message_id: str, attempt: int, *, retry: bool = False) -> None:
+        """Append an item to the model's new-work lane (QueueFull when that is full) or, with
+        ``retry``, to its retry lane, which is served first and never full."""
         ...
 
     async def claim(self, model: str, consumer: str, count: int, timeout_s: float) -> list[WorkItem]:
-        """Up to ``count`` new items for ``consumer``, waiting at most ``timeout_s`` for the first."""
+        """Up to ``count`` items for ``consumer``, retry lane first, waiting at most ``timeout_s``
+        for the first."""
         ...
 
     async def ack(self, item: WorkItem) -> None:

@@ -1,8 +1,9 @@
 """Redis work queue and worker directory (DESIGN D3), shared by every server process.
 
-One stream per model with one consumer group: XADD to enqueue, XREADGROUP to claim, XACK+XDEL
-to ack (so XLEN counts waiting plus claimed items), XAUTOCLAIM to reclaim from dead consumers.
-Enqueue/dequeue counters plus a per-message ticket give approximate queue positions.
+Two streams per model (new work, and the retry lane served first), each with one consumer group:
+XADD to enqueue, XREADGROUP to claim, XACK+XDEL to ack (so XLEN counts waiting plus claimed items),
+XAUTOCLAIM to reclaim from dead consumers. Enqueue/dequeue counters of the new-work lane plus a
+per-message ticket give approximate queue positions.
 Redis 7.0 commands only.
 """
 
@@ -22,6 +23,7 @@ from server.constants import (
     WORK_DEQ_COUNTER,
     WORK_ENQ_COUNTER,
     WORK_GROUP,
+    WORK_RETRY_STREAM,
     WORK_STREAM,
     WORK_TICKET,
     WORKER_DIRECTORY,
@@ -38,6 +40,16 @@ redis.call('XADD', KEYS[1], '*', 'message_id', ARGV[2], 'attempt', ARGV[3])
 local ticket = redis.call('INCR', KEYS[2])
 redis.call('SET', KEYS[3], ticket, 'PX', ARGV[4])
 return ticket
+"""
+# The retry lane is uncapped and takes no place in the new-work count; its ticket (0) keeps
+# ``holds`` true and puts the message at the head in ``position``.
+_ENQUEUE_RETRY = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[4], '0', 'MKSTREAM')
+end
+redis.call('XADD', KEYS[1], '*', 'message_id', ARGV[1], 'attempt', ARGV[2])
+redis.call('SET', KEYS[2], 0, 'PX', ARGV[3])
+return 1
 """
 # XAUTOCLAIM omits delivery counts; read them from the PEL in the same atomic step.
 _RECLAIM = """
@@ -94,6 +106,14 @@ def stream_entries(reply: Any) -> list[Any]:
     return list(value or [])
 
 
+def streams_entries(reply: Any) -> dict[str, list[Any]]:
+    """Entries per stream key of a multi-stream XREAD/XREADGROUP reply (RESP2 or RESP3)."""
+    if not reply:
+        return {}
+    pairs = reply.items() if isinstance(reply, dict) else [(k, v) for k, v in reply]
+    return {text(key): stream_entries({key: value}) for key, value in pairs}
+
+
 def _fields(raw: Any) -> dict[str, str]:
     pairs = raw.items() if isinstance(raw, dict) else zip(raw[::2], raw[1::2], strict=True)
     return {text(k): text(v) for k, v in pairs}
@@ -112,6 +132,7 @@ class RedisWorkQueue:
         self.redis = redis
         self.max_queue_size = max_queue_size
         self._enqueue = redis.register_script(_ENQUEUE)
+        self._enqueue_retry = redis.register_script(_ENQUEUE_RETRY)
         self._reclaim = redis.register_script(_RECLAIM)
         self._touch = redis.register_script(_TOUCH)
         self._groups: set[str] = set()
@@ -127,58 +148,86 @@ class RedisWorkQueue:
                 raise
         self._groups.add(key)
 
-    async def enqueue(self, model: str, message_id: str, attempt: int) -> None:
-        keys = [WORK_STREAM.format(model=model), WORK_ENQ_COUNTER.format(model=model)]
-        keys.append(WORK_TICKET.format(message_id=message_id))
+    async def enqueue(self, model: str, message_id: str, attempt: int, *, retry: bool = False) -> None:
+        ticket = WORK_TICKET.format(message_id=message_id)
         ttl_ms = int(self.ticket_ttl_s * 1000)
+        if retry:
+            keys = [WORK_RETRY_STREAM.format(model=model), ticket]
+            await self._enqueue_retry(keys=keys, args=[message_id, attempt, ttl_ms, WORK_GROUP])
+            return
+        keys = [WORK_STREAM.format(model=model), WORK_ENQ_COUNTER.format(model=model), ticket]
         args: list[EncodableT] = [self.max_queue_size, message_id, attempt, ttl_ms, WORK_GROUP]
         if not await self._enqueue(keys=keys, args=args):
             raise QueueFull(model)
 
+    async def _read(self, consumer: str, keys: list[str], count: int, block_ms: int | None) -> dict[str, list[Any]]:
+        for key in keys:
+            await self._ensure_group(key)
+        try:
+            reply = await self.redis.xreadgroup(WORK_GROUP, consumer, {k: ">" for k in keys}, count, block_ms)
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            self._groups.difference_update(keys)  # a stream was deleted under us: recreate it
+            return {}
+        return streams_entries(reply)
+
     async def claim(self, model: str, consumer: str, count: int, timeout_s: float) -> list[WorkItem]:
         if count <= 0:
             return []
-        key = WORK_STREAM.format(model=model)
-        await self._ensure_group(key)
+        main, retry = WORK_STREAM.format(model=model), WORK_RETRY_STREAM.format(model=model)
+        # Retries first, then new work, neither waiting.
+        got = await self._read(consumer, [retry], count, None)
+        taken = [(retry, e) for e in got.get(retry, [])]
+        if len(taken) < count:
+            got = await self._read(consumer, [main], count - len(taken), None)
+            taken += [(main, e) for e in got.get(main, [])]
         deadline = time.monotonic() + timeout_s
-        while True:
-            remaining = deadline - time.monotonic()
-            # BLOCK 0 would wait forever: no timeout left means a single non-blocking read.
-            block = int(min(remaining, self._block_s) * 1000) if remaining > 0.001 else None
-            try:
-                reply = await self.redis.xreadgroup(WORK_GROUP, consumer, {key: ">"}, count, block)
-            except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                self._groups.discard(key)  # the stream was deleted under us
-                await self._ensure_group(key)
-                continue
-            entries = stream_entries(reply)
-            if entries or block is None:
-                break
-        if entries:
-            await self.redis.incrby(WORK_DEQ_COUNTER.format(model=model), len(entries))
-        return [self._item(model, entry_id, fields, 1) for entry_id, fields in entries]
+        while not taken and (remaining := deadline - time.monotonic()) > 0.001:
+            # Wait on both lanes, one entry each: at most one item more than asked for when both
+            # fill at once, and that one is handed back below.
+            got = await self._read(consumer, [retry, main], 1, int(min(remaining, self._block_s) * 1000))
+            taken = [(retry, e) for e in got.get(retry, [])] + [(main, e) for e in got.get(main, [])]
+            if taken and len(taken) < count:
+                got = await self._read(consumer, [retry, main], count - len(taken), None)
+                taken += [(retry, e) for e in got.get(retry, [])] + [(main, e) for e in got.get(main, [])]
+        items = [self._item(model, key == retry, entry_id, fields, 1) for key, (entry_id, fields) in taken]
+        for extra in items[count:]:
+            await self._hand_back(extra)
+        items = items[:count]
+        new = sum(not item.retry for item in items)
+        if new:
+            await self.redis.incrby(WORK_DEQ_COUNTER.format(model=model), new)
+        return items
+
+    async def _hand_back(self, item: WorkItem) -> None:
+        """Return an item claimed beyond ``count`` to the head of the queue (the retry lane)."""
+        await self.enqueue(item.model, item.message_id, item.attempt, retry=True)
+        await self.ack(item)
 
     @staticmethod
-    def _item(model: str, entry_id: bytes | str, raw: Any, deliveries: int) -> WorkItem:
+    def _key(item: WorkItem) -> str:
+        return (WORK_RETRY_STREAM if item.retry else WORK_STREAM).format(model=item.model)
+
+    @staticmethod
+    def _item(model: str, retry: bool, entry_id: bytes | str, raw: Any, deliveries: int) -> WorkItem:
         fields = _fields(raw)
-        return WorkItem(model, fields["message_id"], int(fields["attempt"]), text(entry_id), deliveries)
+        return WorkItem(model, fields["message_id"], int(fields["attempt"]), text(entry_id), deliveries, retry)
 
     async def ack(self, item: WorkItem) -> None:
-        key = WORK_STREAM.format(model=item.model)
+        key = self._key(item)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.xack(key, WORK_GROUP, item.delivery_id)
             pipe.xdel(key, item.delivery_id)
             await pipe.execute()
 
     async def touch(self, items: list[WorkItem], consumer: str) -> None:
-        by_model: dict[str, list[str]] = {}
+        by_key: dict[str, list[str]] = {}
         for item in items:
-            by_model.setdefault(item.model, []).append(item.delivery_id)
-        for model, ids in by_model.items():
+            by_key.setdefault(self._key(item), []).append(item.delivery_id)
+        for key, ids in by_key.items():
             try:
-                await self._touch(keys=[WORK_STREAM.format(model=model)], args=[WORK_GROUP, consumer, *ids])
+                await self._touch(keys=[key], args=[WORK_GROUP, consumer, *ids])
             except ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise
@@ -186,14 +235,20 @@ class RedisWorkQueue:
     async def reclaim(self, model: str, consumer: str, min_idle_s: float, count: int) -> list[WorkItem]:
         if count <= 0:
             return []
-        args: list[EncodableT] = [WORK_GROUP, consumer, int(min_idle_s * 1000), count]
-        try:
-            rows = await self._reclaim(keys=[WORK_STREAM.format(model=model)], args=args)
-        except ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            return []
-        return [self._item(model, entry_id, raw, int(n)) for entry_id, raw, n in rows]
+        items: list[WorkItem] = []
+        for retry in (True, False):
+            key = (WORK_RETRY_STREAM if retry else WORK_STREAM).format(model=model)
+            args: list[EncodableT] = [WORK_GROUP, consumer, int(min_idle_s * 1000), count - len(items)]
+            try:
+                rows = await self._reclaim(keys=[key], args=args)
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                continue
+            items += [self._item(model, retry, entry_id, raw, int(n)) for entry_id, raw, n in rows]
+            if len(items) >= count:
+                break
+        return items
 
     async def holds(self, model: str, message_id: str) -> bool:
         return bool(await self.redis.exists(WORK_TICKET.format(message_id=message_id)))

@@ -351,6 +351,7 @@ async def chaos(c: Cluster, tally: Tally, duration: float, every: tuple[float, f
         if time.monotonic() - start >= duration:
             break
         streaming = {m for m, t in tally.last_token_at.items() if time.monotonic() - t < 2.0}
+        hit = len(streaming)  # the set empties as their next tokens arrive
         at = time.monotonic()
         if not redis_done and at >= redis_at:
             redis_done = True
@@ -367,7 +368,7 @@ async def chaos(c: Cluster, tally: Tally, duration: float, every: tuple[float, f
             log.append(f"{at - start:6.1f}s {victim.name} killed")
             await asyncio.sleep(1.0 if victim in c.workers else 2.0)
             victim.start()
-        _say(f"{log[-1]} ({len(streaming)} streaming)")
+        _say(f"{log[-1]} ({hit} streaming)")
     return log
 
 

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, WebSocket
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 
 from server import migrate
@@ -117,6 +118,17 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="tokentrail", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
     app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes)
+    if origins := settings.cors_origin_list:
+        # Outermost: a preflight is answered before the guard and the routes see it.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=origins,
+            allow_credentials="*" not in origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["Retry-After"],
+            max_age=600,
+        )
     app.include_router(health_router)
     for router in (auth_router, configs_router, chats_router, admin_router):
         app.include_router(router, responses=API_ERROR_RESPONSES)

@@ -67,9 +67,13 @@ def is_unavailable(exc: BaseException) -> bool:
 
 
 def allowed_methods(request: Request) -> list[str]:
-    """Every method some route serves at this path (as the OpenAPI document lists them)."""
+    """Every method served at this path, as the OpenAPI document lists them: a concrete path
+    (``/chats/hide_all``) takes precedence over the templates it also matches (``/chats/{chat_id}``)."""
+    paths: dict[str, dict[str, object]] = request.app.openapi().get("paths", {})
+    if request.url.path in paths:
+        return sorted(m.upper() for m in paths[request.url.path])
     methods: set[str] = set()
-    for template, operations in request.app.openapi().get("paths", {}).items():
+    for template, operations in paths.items():
         pattern = re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(template))
         if re.fullmatch(pattern, request.url.path):
             methods |= {m.upper() for m in operations}

@@ -160,3 +160,30 @@ class MessageTokens(Base):
     resumed_at: Mapped[bytes] = mapped_column(LargeBinary, default=b"")
     prompt_check: Mapped[str | None] = mapped_column(String(32), default=None)  # GenerationRecord.prompt_check
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class MessageReport(Base):
+    """A user's report on a message (OA's ``POST .../reports``): kept for moderation and exports."""
+
+    __tablename__ = "message_reports"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
+    message_id: Mapped[str] = mapped_column(ForeignKey("messages.id", ondelete="CASCADE"), index=True)
+    user_id: Mapped[str] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
+    report_type: Mapped[str] = mapped_column(String(32))
+    reason: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class MessageEval(Base):
+    """OA's ``POST .../message_evals``: the user preferred ``message_id`` over its siblings
+    ``inferior_message_ids`` (a preference pair for training)."""
+
+    __tablename__ = "message_evals"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
+    chat_id: Mapped[str] = mapped_column(ForeignKey("chats.id", ondelete="CASCADE"), index=True)
+    message_id: Mapped[str] = mapped_column(ForeignKey("messages.id", ondelete="CASCADE"))
+    user_id: Mapped[str] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
+    inferior_message_ids: Mapped[list[Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

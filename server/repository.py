@@ -11,11 +11,11 @@ import base64
 import binascii
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.errors import ApiError
-from server.models import Chat, Message, MessageTokens, User, new_id, utcnow
+from server.models import Chat, Message, MessageEval, MessageReport, MessageTokens, User, new_id, utcnow
 from shared.api import (
     MAX_MESSAGES_PER_CHAT,
     ChatListRead,
@@ -245,6 +245,59 @@ class ChatRepository:
         msg.score, msg.voted_at = score, utcnow()
         await self.session.commit()
         return msg
+
+    async def report(self, chat_id: str, message_id: str, report_type: str, reason: str) -> None:
+        msg = await self.get_message(chat_id, message_id)
+        self.session.add(MessageReport(message_id=msg.id, user_id=self.user.id, report_type=report_type, reason=reason))
+        await self.session.commit()
+
+    async def message_eval(self, chat_id: str, message_id: str, inferior_ids: list[str]) -> None:
+        """The user preferred ``message_id`` over ``inferior_ids``: assistant siblings in this chat."""
+        msg = await self.get_message(chat_id, message_id)
+        if msg.role != "assistant":
+            raise ApiError(ErrorCode.not_assistant_message, "only assistant messages can be preferred")
+        wanted = set(inferior_ids) - {msg.id}
+        if len(wanted) != len(inferior_ids):
+            raise ApiError(ErrorCode.bad_request, "inferior_message_ids repeats an id or names the preferred message")
+        siblings = set(
+            (
+                await self.session.scalars(
+                    select(Message.id).where(
+                        Message.chat_id == msg.chat_id,
+                        Message.role == "assistant",
+                        Message.id.in_(wanted),
+                        Message.parent_id.is_(None) if msg.parent_id is None else Message.parent_id == msg.parent_id,
+                    )
+                )
+            ).all()
+        )
+        if missing := sorted(wanted - siblings):
+            raise ApiError(
+                ErrorCode.message_not_found, f"not assistant siblings of {msg.id} in chat {chat_id}: {missing}"
+            )
+        self.session.add(
+            MessageEval(chat_id=msg.chat_id, message_id=msg.id, user_id=self.user.id, inferior_message_ids=inferior_ids)
+        )
+        await self.session.commit()
+
+    async def open_message_ids(self, chat_id: str) -> list[str]:
+        chat = await self.get_chat(chat_id)
+        open_states = (MessageState.pending.value, MessageState.in_progress.value)
+        q = select(Message.id).where(Message.chat_id == chat.id, Message.state.in_(open_states))
+        return list((await self.session.scalars(q)).all())
+
+    async def delete_chat(self, chat_id: str) -> None:
+        """Delete the chat with its messages; their tokens, reports and evals go with them (cascades).
+        One statement for all messages: foreign keys between them are checked at its end."""
+        chat = await self.get_chat(chat_id)
+        await self.session.execute(delete(Message).where(Message.chat_id == chat.id))
+        await self.session.execute(delete(Chat).where(Chat.id == chat.id))
+        await self.session.commit()
+        self._chats.pop(chat_id, None)
+
+    async def hide_all_chats(self) -> None:
+        await self.session.execute(update(Chat).where(Chat.user_id == self.user.id).values(hidden=True))
+        await self.session.commit()
 
     async def discard_message(self, msg: Message) -> None:
         """Delete a message that was never queued (a refused request); its parent is the tail again."""

@@ -56,6 +56,12 @@ class ServerSettings(BaseSettings):
     redis_pool_size: int = 512
     # Largest request body (bytes), refused before it is read (413 request_too_large).
     max_body_bytes: int = 8 * 2**20
+    # Web origins allowed to call the API from a browser (CORS), comma-separated; "*" for any.
+    cors_origins: str = ""
+
+    @property
+    def cors_origin_list(self) -> list[str]:
+        return [o.strip().rstrip("/") for o in self.cors_origins.split(",") if o.strip()]
 
     @property
     def embedded(self) -> bool:

@@ -166,9 +166,10 @@ class WorkStore:
             return before if res.rowcount else None  # type: ignore[attr-defined]
 
     async def is_cancelled(self, message_id: str) -> bool:
+        """Cancelled, or deleted with its chat: either way its readers get the cancelled end."""
         async with self.sessions() as s:
             state = await s.scalar(select(Message.state).where(Message.id == message_id))
-        return state == MessageState.cancelled.value
+        return state is None or state == MessageState.cancelled.value
 
     async def discard(self, message_ids: list[str]) -> None:
         """Delete assistant messages that were never queued (their request was refused)."""

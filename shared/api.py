@@ -67,6 +67,14 @@ class SamplingParameters(BaseModel):
     )
     ignore_eos: bool = False  # stop only on stop_token_ids and stop strings, not the model's end tokens
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: object) -> object:
+        """OA's clients send null for "the default" (``max_new_tokens: null``)."""
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if v is not None}
+        return data
+
 
 class ModelConfigRead(BaseModel):
     """A model offered by at least one connected worker (``GET /configs/model_configs``)."""
@@ -224,6 +232,19 @@ class VoteRequest(BaseModel):
     """OA's vote on a message; on assistant messages it becomes the turn's reward in exports."""
 
     score: Literal[-1, 0, 1]
+
+
+class ReportRequest(BaseModel):
+    """OA's report on a message."""
+
+    report_type: Literal["spam", "offensive", "feedback"]
+    reason: Annotated[str, Field(max_length=10_000)] = ""
+
+
+class MessageEvalRequest(BaseModel):
+    """OA's choice between drafts: the message in the path was preferred over these siblings."""
+
+    inferior_message_ids: Annotated[list[Annotated[str, Field(max_length=64)]], Field(max_length=64)]
 
 
 class Token(BaseModel):

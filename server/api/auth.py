@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 from urllib.parse import urlencode
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import RedirectResponse
 from sqlalchemy.exc import IntegrityError
 
@@ -63,8 +63,18 @@ async def callback_debug(code: str, state: StateDep, session: SessionDep) -> Tok
 
 
 @router.get("/refresh")
-async def refresh(request: Request, state: StateDep, session: SessionDep) -> Token:
-    user_id = state.signer.verify(bearer_token(request), "refresh")
+async def refresh(
+    request: Request,
+    state: StateDep,
+    session: SessionDep,
+    refresh_header: Annotated[str | None, Header(alias="Refresh")] = None,
+) -> Token:
+    """A new access token for a refresh token, sent as OA does (``Refresh: <token>``) or as
+    ``Authorization: Bearer <token>``."""
+    token = refresh_header.strip() if refresh_header and refresh_header.strip() else bearer_token(request)
+    if token.lower().startswith("bearer "):
+        token = token[7:].strip()
+    user_id = state.signer.verify(token, "refresh")
     if await session.get(User, user_id) is None:
         raise ApiError(ErrorCode.invalid_credentials, "the token's user no longer exists")
     return Token(access_token=state.signer.access_token(user_id), token_type="bearer")

@@ -9,6 +9,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request, Response
 from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.admission import admit
 from server.api.deps import RepoDep, StateDep
@@ -26,14 +27,18 @@ from shared.api import (
     CreatePrompterMessageRequest,
     CreateToolMessageRequest,
     ListChatsResponse,
+    MessageEvalRequest,
     MessageRead,
     MessageState,
     ModelConfigRead,
+    ReportRequest,
     VoteRequest,
 )
 from shared.errors import ErrorCode
 
 router = APIRouter(prefix="/chats", tags=["chats"])
+# OA's acknowledgements: 200 with an empty body (documented so, not as JSON).
+_DONE: dict[int | str, dict[str, object]] = {200: {"description": "Done; the body is empty, as in Open-Assistant."}}
 configs_router = APIRouter(prefix="/configs", tags=["configs"])
 
 
@@ -82,6 +87,12 @@ async def model_configs(state: StateDep) -> list[ModelConfigRead]:
     return sorted((await offered_models(state)).values(), key=lambda m: m.name)
 
 
+@configs_router.get("/builtin_plugins")
+async def builtin_plugins() -> list[dict[str, object]]:
+    """OA's plugin list. tokentrail runs no plugins (tools are the chat's ``tools``): always empty."""
+    return []
+
+
 def _check_length(content: str) -> None:
     if len(content) > MAX_CONTENT_CHARS:
         raise ApiError(
@@ -112,6 +123,30 @@ async def create_chat(repo: RepoDep, body: CreateChatRequest | None = None) -> C
 @router.get("/{chat_id}")
 async def get_chat(chat_id: str, repo: RepoDep) -> ChatRead:
     return await repo.chat_read(chat_id)
+
+
+@router.put("/hide_all", response_class=Response, responses=_DONE)
+async def hide_all_chats(repo: RepoDep) -> Response:
+    """OA's "hide all": every chat of the user is hidden (still listed with include_hidden)."""
+    await repo.hide_all_chats()
+    return Response(status_code=200)
+
+
+@router.api_route("/hide_all", methods=["GET", "DELETE"], include_in_schema=False)
+async def hide_all_other_methods() -> None:
+    """``/chats/hide_all`` is a path of its own, not a chat id: only PUT is served there."""
+    raise StarletteHTTPException(status_code=405)
+
+
+@router.delete("/{chat_id}", response_class=Response, responses=_DONE)
+async def delete_chat(chat_id: str, repo: RepoDep, state: StateDep) -> Response:
+    """Delete a chat and everything in it; generations still running are cancelled first."""
+    running = await repo.open_message_ids(chat_id)
+    await repo.session.commit()  # end this session's read snapshot: the hub writes through its own
+    for message_id in running:
+        await state.hub.cancel(message_id)
+    await repo.delete_chat(chat_id)
+    return Response(status_code=200)
 
 
 @router.put("/{chat_id}")
@@ -197,10 +232,25 @@ async def cancel_message(chat_id: str, message_id: str, repo: RepoDep, state: St
     return message_to_read(msg)
 
 
-@router.post("/{chat_id}/messages/{message_id}/votes")
+@router.post("/{chat_id}/messages/{message_id}/votes", response_class=Response, responses=_DONE)
 async def vote(chat_id: str, message_id: str, body: VoteRequest, repo: RepoDep) -> Response:
     """OA's vote (-1, 0 or 1); exports use it as the turn's reward."""
     await repo.vote(chat_id, message_id, body.score)
+    return Response(status_code=200)
+
+
+@router.post("/{chat_id}/messages/{message_id}/reports", response_class=Response, responses=_DONE)
+async def report(chat_id: str, message_id: str, body: ReportRequest, repo: RepoDep) -> Response:
+    """OA's report on a message (spam, offensive, feedback), kept for moderation."""
+    await repo.report(chat_id, message_id, body.report_type, body.reason)
+    return Response(status_code=200)
+
+
+@router.post("/{chat_id}/messages/{message_id}/message_evals", response_class=Response, responses=_DONE)
+async def message_eval(chat_id: str, message_id: str, body: MessageEvalRequest, repo: RepoDep) -> Response:
+    """OA's choice between drafts: this assistant message was preferred over the listed siblings.
+    Kept as a preference pair (``message_evals``) next to the votes."""
+    await repo.message_eval(chat_id, message_id, body.inferior_message_ids)
     return Response(status_code=200)
 
 

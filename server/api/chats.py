@@ -120,11 +120,6 @@ async def create_chat(repo: RepoDep, body: CreateChatRequest | None = None) -> C
     return chat_to_list_read(await repo.create_chat(system_prompt=body.system_prompt, tools=body.tools))
 
 
-@router.get("/{chat_id}")
-async def get_chat(chat_id: str, repo: RepoDep) -> ChatRead:
-    return await repo.chat_read(chat_id)
-
-
 @router.put("/hide_all", response_class=Response, responses=_DONE)
 async def hide_all_chats(repo: RepoDep) -> Response:
     """OA's "hide all": every chat of the user is hidden (still listed with include_hidden)."""
@@ -136,6 +131,11 @@ async def hide_all_chats(repo: RepoDep) -> Response:
 async def hide_all_other_methods() -> None:
     """``/chats/hide_all`` is a path of its own, not a chat id: only PUT is served there."""
     raise StarletteHTTPException(status_code=405)
+
+
+@router.get("/{chat_id}")
+async def get_chat(chat_id: str, repo: RepoDep) -> ChatRead:
+    return await repo.chat_read(chat_id)
 
 
 @router.delete("/{chat_id}", response_class=Response, responses=_DONE)

@@ -125,6 +125,9 @@ class Message(Base):
     model_config_name: Mapped[str | None] = mapped_column(String(256), default=None)
     work_parameters: Mapped[dict[str, Any] | None] = mapped_column(default=None)
     attempt: Mapped[int] = mapped_column(Integer, default=0)  # fencing token, bumped per (re)delivery
+    # attempts that ended by the worker's fault (lost connection, failure, bad frames); a requeue for
+    # a dead server or a Redis restart is not counted. max_attempts of these and the message fails.
+    failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     worker_id: Mapped[str | None] = mapped_column(String(64), default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
     error_code: Mapped[str | None] = mapped_column(String(64), default=None)

@@ -117,14 +117,16 @@ class WorkStore:
             await s.commit()
             return bool(res.rowcount)  # type: ignore[attr-defined]
 
-    async def next_attempt(self, message_id: str, attempt: int) -> int | None:
-        """Fence off ``attempt`` and return the new attempt number, or None if it is already stale."""
+    async def next_attempt(self, message_id: str, attempt: int, *, failed: bool = False) -> int | None:
+        """Fence off ``attempt`` and return the new attempt number, or None if it is already stale.
+        ``failed``: the attempt ended by its worker's fault, which counts toward ``max_attempts``."""
         async with self.sessions() as s:
             res = await s.execute(
                 update(Message)
                 .where(Message.id == message_id, Message.attempt == attempt, Message.state.in_(_OPEN_STATES))
                 .values(
                     attempt=attempt + 1,
+                    failures=Message.failures + int(failed),
                     state=MessageState.pending.value,
                     worker_id=None,
                     modified_at=utcnow(),

@@ -308,7 +308,7 @@ class WorkerHub:
                 inflight = conn.inflight.pop(frame.message_id, None)
                 if inflight is not None:
                     with contextlib.suppress(Exception):  # else the reaper reclaims it
-                        await self._requeue(inflight.item)
+                        await self._requeue(inflight.item, failed=True)  # bounded: it may be the record
 
     # ---- cancellation ------------------------------------------------------------------------
     async def cancel(self, message_id: str) -> bool:
@@ -477,8 +477,9 @@ class WorkerHub:
             await self.queue.ack(item)  # finished, deleted or superseded: nothing to do
             return False
         msg, path = loaded
-        if item.attempt > self.settings.max_attempts or item.deliveries > self.settings.max_attempts:
-            await self._give_up(item, ErrorCode.too_many_attempts, f"gave up after {item.attempt} attempts")
+        if msg.failures >= self.settings.max_attempts or item.deliveries > self.settings.max_attempts:
+            error = f"gave up after {msg.failures} failed attempts (of {item.attempt})"
+            await self._give_up(item, ErrorCode.too_many_attempts, error)
             return False
         if not await self.store.start(msg.id, item.attempt, conn.id):
             await self.queue.ack(item)
@@ -635,8 +636,8 @@ class WorkerHub:
         if inflight is None:
             return
         conn.inflight.pop(frame.message_id, None)
-        if frame.retryable and frame.attempt < self.settings.max_attempts:
-            await self._requeue(inflight.item)
+        if frame.retryable:
+            await self._requeue(inflight.item, failed=True)
         else:
             await self._give_up(inflight.item, frame.code, frame.message)
 
@@ -652,12 +653,15 @@ class WorkerHub:
         with contextlib.suppress(Exception):
             await conn.send(CancelFrame(message_id=item.message_id, attempt=item.attempt))
         try:
-            await self._requeue(item)
+            await self._requeue(item, failed=True)
         except Exception as exc:  # the reaper reclaims it
             log.warning("could not requeue %s: %s", item.message_id, exc)
 
-    async def _requeue(self, item: WorkItem) -> None:
-        attempt = await self.store.next_attempt(item.message_id, item.attempt)
+    async def _requeue(self, item: WorkItem, *, failed: bool = False) -> None:
+        """Hand the message to a new attempt (retry lane). ``failed``: its worker is to blame (a lost
+        connection, a failure, bad frames), which counts toward ``max_attempts``; a dead server or a
+        Redis restart does not."""
+        attempt = await self.store.next_attempt(item.message_id, item.attempt, failed=failed)
         if attempt is None and await self.store.is_cancelled(item.message_id):
             await self._finish_cancelled(item.message_id)  # cancelled while its worker was lost
         if attempt is not None:
@@ -700,7 +704,7 @@ class WorkerHub:
         for inflight in list(conn.inflight.values()):
             log.warning("worker %s lost while generating %s: requeueing", conn.id, inflight.item.message_id)
             try:
-                await self._requeue(inflight.item)
+                await self._requeue(inflight.item, failed=True)
             except Exception as exc:  # Redis or the database away: the reaper reclaims it later
                 log.warning("could not requeue %s: %s", inflight.item.message_id, exc)
         conn.inflight.clear()

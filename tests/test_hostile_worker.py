@@ -99,6 +99,12 @@ class HostileWorker:
             await ws.send(json.dumps(frame))  # NaN goes out as the bare NaN that json writes
             await asyncio.sleep(0.05)
 
+        if kind == "always-fails":  # every attempt fails, retryably: the message must give up
+            failed = {"type": "failed", "message_id": mid, "attempt": attempt, "code": "engine_error",
+                      "message": "the engine fell over", "retryable": True}  # fmt: skip
+            await ws.send(json.dumps(failed))
+            await ws.send(json.dumps({"type": "credit", "credits": 1}))
+            return
         if attempt == 1 and kind != "good":
             if kind == "mismatch":
                 await tokens(0, [10, 11, 12], [-0.1, -0.2, -0.3])
@@ -178,3 +184,62 @@ def test_a_bad_frame_ends_only_its_attempt(stack: tuple[str, HostileWorker], kin
             assert stored["completion_token_ids"] == [5, 21, 22]
     bad_mid = replies[kind][1]
     assert any(c["message_id"] == bad_mid and c["attempt"] == 1 for c in worker.cancels)
+
+
+def test_a_message_that_always_fails_gives_up_after_max_attempts(stack: tuple[str, HostileWorker]) -> None:
+    url, _ = stack
+    headers = login(url, "always-fails")
+    chat, mid = start_reply(url, headers, MODEL, 8, text="always-fails")
+    final = events(url, f"/chats/{chat}/messages/{mid}/events", headers)[-1]
+    assert final["event_type"] == "error" and final["code"] == "too_many_attempts", final
+    msg = httpx.get(f"{url}/chats/{chat}/messages/{mid}", headers=headers).json()
+    assert msg["state"] == "aborted_by_worker" and msg["error_code"] == "too_many_attempts"
+    assert "after 3 failed attempts" in msg["error"]  # max_attempts (3) failures, then no fourth
+
+
+def test_requeues_that_are_not_the_workers_fault_do_not_count(stack: tuple[str, HostileWorker]) -> None:
+    """A worker that comes back after its server died names the work it lost (``released``); that
+    requeue is the infrastructure's doing. Five in a row, and the message still completes."""
+    url, hostile = stack
+    ws_url = url.replace("http://", "ws://") + "/workers/work"
+    headers = login(url, "released")
+    model = "released-model"
+
+    async def connect(released: list[tuple[str, int]]) -> Any:
+        hello = fake_hello(model, capacity=1, vocab_size=VOCAB).model_copy(update={"released": released})
+        ws = await websockets.connect(ws_url, additional_headers={"Authorization": f"Bearer {hostile.key}"})
+        await ws.send(hello.model_dump_json())
+        await ws.recv()  # welcome
+        await ws.send(json.dumps({"type": "credit", "credits": 1}))
+        return ws
+
+    async def work_frame(ws: Any) -> dict[str, Any]:
+        while True:
+            frame = json.loads(await ws.recv())
+            if frame["type"] == "work":
+                return dict(frame)
+
+    async def scenario() -> tuple[str, str]:
+        held = [await connect([])]
+        chat, mid = await asyncio.to_thread(start_reply, url, headers, model, 4, "good")
+        attempt = (await work_frame(held[0]))["attempt"]
+        for _ in range(5):  # each connection keeps its socket: as far as this server knows, none failed
+            held.append(await connect([(mid, attempt)]))
+            attempt = (await work_frame(held[-1]))["attempt"]
+        ws = held[-1]
+        rec = good_record([7, 8], [-0.5, -0.5], ["<7>", "<8>"])
+        tokens = {"type": "tokens", "message_id": mid, "attempt": attempt, "start": 0, "token_ids": [7, 8],
+                  "logprobs": [-0.5, -0.5], "texts": ["<7>", "<8>"]}  # fmt: skip
+        await ws.send(json.dumps(tokens))
+        await ws.send(
+            json.dumps({"type": "finished", "message_id": mid, "attempt": attempt, "record": rec.model_dump()})
+        )
+        final = await asyncio.to_thread(events, url, f"/chats/{chat}/messages/{mid}/events", headers)
+        assert final[-1]["event_type"] == "message", final[-1]
+        for conn in held:
+            await conn.close()
+        return chat, mid
+
+    chat, mid = asyncio.run(scenario())
+    msg = httpx.get(f"{url}/chats/{chat}/messages/{mid}", headers=headers).json()
+    assert msg["state"] == "complete" and msg["attempt"] == 6, msg

@@ -1,4 +1,5 @@
-"""reports and message evals: OA's message reports and preference choices between siblings
+"""reports, message evals and failure counts: OA's message reports and preference choices between
+siblings; attempts that failed by a worker's fault, apart from requeues for infrastructure
 
 Revision ID: 0007
 Revises: 0006
@@ -18,6 +19,8 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
+    with op.batch_alter_table('messages', schema=None) as batch_op:
+        batch_op.add_column(sa.Column('failures', sa.Integer(), server_default='0', nullable=False))
     op.create_table(
         'message_reports',
         sa.Column('id', sa.String(length=36), nullable=False),
@@ -52,3 +55,5 @@ def downgrade() -> None:
     op.drop_table('message_evals')
     op.drop_index('ix_message_reports_message_id', table_name='message_reports')
     op.drop_table('message_reports')
+    with op.batch_alter_table('messages', schema=None) as batch_op:
+        batch_op.drop_column('failures')

@@ -9,7 +9,8 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, WebSocket
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from server import migrate
 from server.admission import RateLimiter
@@ -34,6 +35,12 @@ from shared.errors import API_ERROR_RESPONSES, OPENAI_ERROR_RESPONSES, ErrorCode
 log = logging.getLogger(__name__)
 
 health_router = APIRouter(tags=["health"])
+
+
+@health_router.get("/metrics", include_in_schema=False)
+async def metrics(state: StateDep) -> Response:
+    """Prometheus text exposition of this process (server/metrics.py)."""
+    return Response(await state.hub.metrics.render(state), media_type=CONTENT_TYPE_LATEST)
 
 
 @health_router.get("/health")

@@ -94,9 +94,17 @@ def _loc(loc: tuple[object, ...] | list[object]) -> str | None:
     return ".".join(parts) or None
 
 
+def count_error(request: Request, code: str) -> None:
+    """Count an error answer in the process's metrics (once the app has started)."""
+    state = getattr(request.app.state, "tt", None)
+    if state is not None:
+        state.hub.metrics.errors.labels(code).inc()
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        count_error(request, exc.code.value)
         if is_openai_path(request.url.path):  # OpenAI answers every invalid field with 400, not 422
             status = 400 if exc.status_code == 422 else exc.status_code
             body = openai_error_body(status, exc.detail, exc.code.value, exc.param)
@@ -108,6 +116,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
+        count_error(request, ErrorCode.validation_error.value)
         if is_openai_path(request.url.path):  # OpenAI and vLLM answer a malformed body with 400
             first = errors[0] if errors else {}
             message = "; ".join(f"{_loc(e.get('loc', ())) or 'body'}: {e.get('msg')}" for e in errors[:5])
@@ -146,6 +155,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        count_error(request, (ErrorCode.not_ready if is_unavailable(exc) else ErrorCode.internal_error).value)
         if is_unavailable(exc):  # the database or Redis away or saturated: retry, not a bug
             log.warning("%s %s: a backing service is unavailable: %r", request.method, request.url.path, exc)
             detail = "a backing service (database or Redis) is unavailable; retry shortly"

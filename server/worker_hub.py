@@ -26,6 +26,7 @@ from sqlalchemy import select
 from server.auth import hash_key
 from server.db import SessionFactory
 from server.errors import is_unavailable
+from server.metrics import Metrics, StreamTimer, seconds_since
 from server.models import WorkerKey, utcnow
 from server.queue.protocol import QueueFull, WorkerDirectory, WorkerEntry, WorkItem, WorkQueue
 from server.queue.rpc_relay import RedisRpcRelay, RelayError, RelayTimeout
@@ -84,6 +85,7 @@ class InFlight:
     parent_chain: str | None = None  # the parent's chain hash (prefix index), known once dispatched
     chain_known: bool = False
     streamed: list[int] = field(default_factory=list)  # token ids readers have seen (resumed ones too)
+    timer: StreamTimer | None = None  # latency metrics, from dispatch on
 
 
 @dataclass
@@ -138,6 +140,7 @@ class WorkerHub:
         self.swept = 0  # messages the sweep requeued (tests and logs)
         self.server_id = secrets.token_hex(4)
         self.relay: RedisRpcRelay | None = None  # tokenizer calls to workers of other server processes
+        self.metrics = Metrics()
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -319,6 +322,7 @@ class WorkerHub:
         if before is None:
             return False
         state, attempt, worker_id = before
+        self.metrics.finished.labels(MessageState.cancelled.value).inc()
         if (
             state == MessageState.in_progress.value
             and worker_id
@@ -485,6 +489,9 @@ class WorkerHub:
             await self.queue.ack(item)
             return False
         resume = await self._resume_state(msg.id, conn)
+        if item.attempt == 1:
+            self.metrics.queue_wait.labels(item.model).observe(seconds_since(msg.created_at))
+        inflight.timer = StreamTimer(None if resume else msg.created_at)
         params = self.store.work_parameters(msg)
         frame = WorkFrame(
             message_id=msg.id,
@@ -583,6 +590,8 @@ class WorkerHub:
                 inflight.next_index = batch.end
                 del inflight.streamed[batch.start :]
                 inflight.streamed += batch.token_ids
+                if inflight.timer is not None:
+                    inflight.timer.tokens(self.metrics, inflight.item.model, len(batch.token_ids))
             else:
                 log.warning("rejected tokens %d.. of %s (%s)", frame.start, frame.message_id, conflict)
 
@@ -626,6 +635,7 @@ class WorkerHub:
         if stored and record.finish_reason == "abort" and await self.store.is_cancelled(frame.message_id):
             await self._finish_cancelled(frame.message_id)
         elif stored:
+            self.metrics.finished.labels(MessageState.complete.value).inc()
             await self.streams.finish(frame.message_id, StreamDone("complete"))
         elif await self.store.is_cancelled(frame.message_id):  # cancelled, record refused: readers still end
             await self._finish_cancelled(frame.message_id)
@@ -695,10 +705,15 @@ class WorkerHub:
 
     async def _give_up(self, item: WorkItem, code: ErrorCode | str, error: str) -> None:
         if await self.store.fail(item.message_id, None, code, error):
+            self._count_failure(code)
             await self.streams.finish(item.message_id, StreamDone("error", error=error, code=str(code)))
         elif await self.store.is_cancelled(item.message_id):
             await self._finish_cancelled(item.message_id)
         await self.queue.ack(item)
+
+    def _count_failure(self, code: ErrorCode | str) -> None:
+        self.metrics.finished.labels(MessageState.aborted_by_worker.value).inc()
+        self.metrics.errors.labels(str(code)).inc()
 
     async def _recover_all(self, conn: WorkerConnection) -> None:
         for inflight in list(conn.inflight.values()):
@@ -732,6 +747,7 @@ class WorkerHub:
             if msg.state == MessageState.pending.value and model not in models:
                 error = f"no worker has offered {model!r} for {self.settings.model_grace_s:.0f}s"
                 if await self.store.fail(msg.id, msg.attempt, ErrorCode.no_worker, error):
+                    self._count_failure(ErrorCode.no_worker)
                     await self.streams.finish(msg.id, StreamDone("error", error=error, code=ErrorCode.no_worker.value))
                 continue
             if msg.state == MessageState.in_progress.value and msg.worker_id in live:

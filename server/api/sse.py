@@ -95,6 +95,8 @@ _RETRY_HINT = b": a backing service is unavailable; reconnect\r\nretry: 1000\r\n
 
 
 async def message_events(state: AppState, msg: Message, after: int) -> AsyncIterator[ServerSentEvent | bytes]:
+    readers = state.hub.metrics.sse_readers
+    readers.inc()
     try:
         async for event in _message_events(state, msg, after):
             yield event
@@ -103,6 +105,8 @@ async def message_events(state: AppState, msg: Message, after: int) -> AsyncIter
             raise
         log.warning("events of %s: %r; the reader is told to reconnect", msg.id, exc)
         yield _RETRY_HINT
+    finally:
+        readers.dec()
 
 
 async def _message_events(state: AppState, msg: Message, after: int) -> AsyncIterator[ServerSentEvent | bytes]:

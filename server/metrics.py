@@ -1,0 +1,151 @@
+"""Prometheus metrics of one server process (``GET /metrics``).
+
+Event metrics (latencies, tokens, finished messages, errors) are recorded where they happen, once
+per engine step at most, never per token. State metrics (queue depth, open messages, workers and
+their free slots) are read when scraped. Each process has its own registry: scrape every replica;
+series named ``tokentrail_cluster_*`` describe the whole cluster and are the same on every replica
+(take ``max``, not ``sum``).
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from sqlalchemy import func, select
+
+from server.models import Message
+from shared.api import MessageState
+
+if TYPE_CHECKING:
+    from server.state import AppState
+
+# Seconds: from a few milliseconds (a warm GPU) to minutes (a long queue).
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5)
+_OPEN = (MessageState.pending.value, MessageState.in_progress.value)
+
+
+def seconds_since(when: datetime) -> float:
+    if when.tzinfo is None:  # SQLite hands datetimes back naive (they were stored as UTC)
+        when = when.replace(tzinfo=UTC)
+    return max((datetime.now(UTC) - when).total_seconds(), 0.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft = Histogram(
+            "tokentrail_ttft_seconds",
+            "Time from an assistant message's request to its first token, by model",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "tokentrail_queue_wait_seconds",
+            "Time an assistant message waited before a worker started it (first attempt), by model",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token = Histogram(
+            "tokentrail_inter_token_seconds",
+            "Time between a message's consecutive tokens arriving from its worker, by model",
+            ["model"],
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.tokens = Counter(
+            "tokentrail_generated_tokens", "Tokens streamed from workers to readers, by model", ["model"], registry=r
+        )
+        self.finished = Counter(
+            "tokentrail_messages_finished",
+            "Assistant messages that ended, by final state",
+            ["state"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "tokentrail_errors", "Error answers and failed messages, by machine-readable code", ["code"], registry=r
+        )
+        self.sse_readers = Gauge("tokentrail_sse_readers", "Open SSE event streams of this process", registry=r)
+        self.workers = Gauge(
+            "tokentrail_workers_connected", "Workers connected to this process, by model", ["model"], registry=r
+        )
+        self.free_slots = Gauge(
+            "tokentrail_worker_free_slots",
+            "Free generation slots (credits) of workers connected to this process, by model",
+            ["model"],
+            registry=r,
+        )
+        self.cluster_workers = Gauge(
+            "tokentrail_cluster_workers", "Workers connected to any server process, by model", ["model"], registry=r
+        )
+        self.queue_depth = Gauge(
+            "tokentrail_cluster_queue_depth", "Messages waiting in a model's queue", ["model"], registry=r
+        )
+        self.open_messages = Gauge(
+            "tokentrail_cluster_open_messages", "Assistant messages pending or in progress", ["state"], registry=r
+        )
+        self.scrape_errors = Counter(
+            "tokentrail_metrics_scrape_errors", "State reads that failed during a scrape", ["what"], registry=r
+        )
+
+    async def render(self, state: AppState) -> bytes:
+        """Refresh the state gauges, then the exposition text. A backing service that is away
+        leaves its gauges as they were (and counts a scrape error) instead of failing the scrape."""
+        hub = state.hub
+        local: dict[str, tuple[int, int]] = {}
+        for conn in list(hub.connections.values()):
+            count, free = local.get(conn.hello.model_name, (0, 0))
+            local[conn.hello.model_name] = (count + 1, free + max(conn.credits, 0))
+        self.workers.clear()
+        self.free_slots.clear()
+        for model, (count, free) in local.items():
+            self.workers.labels(model).set(count)
+            self.free_slots.labels(model).set(free)
+        models = set(local)
+        try:
+            cluster: dict[str, int] = {}
+            for w in await state.directory.workers():
+                cluster[w.model_name] = cluster.get(w.model_name, 0) + 1
+            self.cluster_workers.clear()
+            for model, count in cluster.items():
+                self.cluster_workers.labels(model).set(count)
+            models |= set(cluster)
+            for model in models:
+                self.queue_depth.labels(model).set((await state.queue.position(model, ""))[1])
+        except Exception:
+            self.scrape_errors.labels("queue").inc()
+        try:
+            async with state.sessions() as s:
+                q = select(Message.state, func.count()).where(Message.state.in_(_OPEN)).group_by(Message.state)
+                counts = dict((await s.execute(q)).tuples().all())
+            for name in _OPEN:
+                self.open_messages.labels(name).set(counts.get(name, 0))
+        except Exception:
+            self.scrape_errors.labels("database").inc()
+        return generate_latest(self.registry)
+
+
+class StreamTimer:
+    """Per-message timing on the hub's token path: the first token's latency, then the gaps."""
+
+    __slots__ = ("created_at", "last_at")
+
+    def __init__(self, created_at: datetime | None) -> None:
+        self.created_at = created_at  # None: a resumed attempt (its first token was long ago)
+        self.last_at = 0.0
+
+    def tokens(self, metrics: Metrics, model: str, count: int) -> None:
+        now = time.monotonic()
+        if self.last_at:
+            gap = (now - self.last_at) / count
+            metrics.inter_token.labels(model).observe(gap)
+        elif self.created_at is not None:
+            metrics.ttft.labels(model).observe(seconds_since(self.created_at))
+        self.last_at = now
+        metrics.tokens.labels(model).inc(count)

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 
+from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from server import migrate
 from server.auth import hash_key, new_user_key, new_worker_key
 from server.db import SessionFactory, create_engine, create_session_factory
-from server.models import ApiKey, User, WorkerKey
+from server.models import ApiKey, User, WorkerKey, utcnow
 from server.settings import ServerSettings
+from shared.api import ApiKeyRead, UserRead, WorkerKeyRead
 
 
 async def create_user(sessions: SessionFactory, name: str, *, admin: bool = False) -> str:
@@ -34,6 +36,53 @@ async def create_worker_key(sessions: SessionFactory, name: str) -> str:
         s.add(WorkerKey(name=name, key_hash=hash_key(key)))
         await s.commit()
     return key
+
+
+async def list_users(sessions: SessionFactory) -> list[UserRead]:
+    async with sessions() as s:
+        users = (await s.scalars(select(User).order_by(User.created_at, User.id))).all()
+        keys = (await s.scalars(select(ApiKey).order_by(ApiKey.created_at))).all()
+    by_user: dict[str, list[ApiKeyRead]] = {}
+    for k in keys:
+        by_user.setdefault(k.user_id, []).append(ApiKeyRead(id=k.id, created_at=k.created_at, revoked_at=k.revoked_at))
+    return [
+        UserRead(
+            id=u.id,
+            display_name=u.display_name,
+            provider=u.provider,
+            is_admin=u.is_admin,
+            created_at=u.created_at,
+            api_keys=by_user.get(u.id, []),
+        )
+        for u in users
+    ]
+
+
+async def list_worker_keys(sessions: SessionFactory) -> list[WorkerKeyRead]:
+    async with sessions() as s:
+        keys = (await s.scalars(select(WorkerKey).order_by(WorkerKey.created_at))).all()
+    return [WorkerKeyRead(id=k.id, name=k.name, created_at=k.created_at, revoked_at=k.revoked_at) for k in keys]
+
+
+async def revoke_worker_key(sessions: SessionFactory, key_id: str) -> WorkerKeyRead | None:
+    """Revoke (idempotently) and return the key; None if there is no such key."""
+    async with sessions() as s:
+        key = await s.get(WorkerKey, key_id)
+        if key is None:
+            return None
+        key.revoked_at = key.revoked_at or utcnow()
+        await s.commit()
+        return WorkerKeyRead(id=key.id, name=key.name, created_at=key.created_at, revoked_at=key.revoked_at)
+
+
+async def revoke_api_key(sessions: SessionFactory, key_id: str) -> ApiKeyRead | None:
+    async with sessions() as s:
+        key = await s.get(ApiKey, key_id)
+        if key is None:
+            return None
+        key.revoked_at = key.revoked_at or utcnow()
+        await s.commit()
+        return ApiKeyRead(id=key.id, created_at=key.created_at, revoked_at=key.revoked_at)
 
 
 async def open_database(settings: ServerSettings) -> tuple[AsyncEngine, SessionFactory]:

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import Awaitable, Callable
+import json
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, TypeVar
 
 import typer
+from pydantic import BaseModel
 
+from server.db import SessionFactory
 from server.settings import ServerSettings
+from shared.logs import configure_logging, uvicorn_log_config
 
 T = TypeVar("T")
 
@@ -47,6 +50,7 @@ def serve(
         typer.Option(help="Token signing secret (required with Redis). Env: TOKENTRAIL_AUTH_SECRET"),
     ] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning")] = "info",
+    log_format: Annotated[str, typer.Option(help="text, or json: one JSON object per line")] = "text",
 ) -> None:
     """Run the chat server."""
     import uvicorn
@@ -66,8 +70,17 @@ def serve(
         settings.resolved_auth_secret()
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=log_level)
+    try:
+        configure_logging(log_level, log_format)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=log_level,
+        log_config=uvicorn_log_config(),
+    )
 
 
 def _run(fn: Callable[[], Awaitable[T]]) -> T:
@@ -125,6 +138,94 @@ def create_worker_key(
             await engine.dispose()
 
     typer.echo(_run(go))
+
+
+def _with_db(settings: ServerSettings, job: Callable[[SessionFactory], Awaitable[T]]) -> T:
+    from server import admin as ops
+
+    async def go() -> T:
+        engine, sessions = await ops.open_database(settings)
+        try:
+            return await job(sessions)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(go())
+
+
+def _print_json(rows: Sequence[BaseModel]) -> None:
+    typer.echo(json.dumps([r.model_dump(mode="json") for r in rows], indent=2))
+
+
+@admin_app.command("list-users")
+def list_users(database_url: DatabaseUrl = None, data_dir: DataDir = None) -> None:
+    """Users and their API keys' ids (JSON)."""
+    from server import admin as ops
+
+    _print_json(_with_db(_settings(database_url=database_url, data_dir=data_dir), ops.list_users))
+
+
+@admin_app.command("list-worker-keys")
+def list_worker_keys(database_url: DatabaseUrl = None, data_dir: DataDir = None) -> None:
+    """Worker keys (JSON); which workers use them: ``tokentrail admin workers``."""
+    from server import admin as ops
+
+    _print_json(_with_db(_settings(database_url=database_url, data_dir=data_dir), ops.list_worker_keys))
+
+
+@admin_app.command("revoke-worker-key")
+def revoke_worker_key(key_id: str, database_url: DatabaseUrl = None, data_dir: DataDir = None) -> None:
+    """Revoke a worker key: connected workers using it are dropped at their next heartbeat."""
+    from server import admin as ops
+
+    settings = _settings(database_url=database_url, data_dir=data_dir)
+    key = _with_db(settings, lambda sessions: ops.revoke_worker_key(sessions, key_id))
+    if key is None:
+        raise typer.BadParameter(f"no worker key {key_id}")
+    _print_json([key])
+
+
+@admin_app.command("revoke-api-key")
+def revoke_api_key(key_id: str, database_url: DatabaseUrl = None, data_dir: DataDir = None) -> None:
+    """Revoke a user's API key (ids: ``tokentrail admin list-users``); refused within seconds."""
+    from server import admin as ops
+
+    settings = _settings(database_url=database_url, data_dir=data_dir)
+    key = _with_db(settings, lambda sessions: ops.revoke_api_key(sessions, key_id))
+    if key is None:
+        raise typer.BadParameter(f"no API key {key_id}")
+    _print_json([key])
+
+
+@admin_app.command("workers")
+def workers(
+    server_url: Annotated[str, typer.Option(help="A server of the cluster. Env: TOKENTRAIL_SERVER_URL")] = (
+        "http://127.0.0.1:8000"
+    ),
+    api_key: Annotated[str, typer.Option(help="An admin user's API key. Env: TOKENTRAIL_API_KEY")] = "",
+) -> None:
+    """Connected workers (model, compat hash, capacity, in flight, last heartbeat), from a running
+    server: the worker directory lives there, not in the database."""
+    import os
+
+    import httpx
+
+    url = os.environ.get("TOKENTRAIL_SERVER_URL", server_url).rstrip("/")
+    key = api_key or os.environ.get("TOKENTRAIL_API_KEY", "")
+    try:
+        resp = httpx.get(f"{url}/admin/workers", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+    except httpx.HTTPError as exc:
+        raise typer.BadParameter(f"cannot reach {url}: {exc}") from exc
+    if resp.status_code != 200:
+        raise typer.BadParameter(f"{url} answered {resp.status_code}: {resp.text[:300]}")
+    rows = resp.json()
+    if not rows:
+        typer.echo("no workers connected")
+    for w in rows:
+        typer.echo(
+            f"{w['worker_id']}  model={w['model_name']} engine={w['engine']} compat={w['compat_hash'][:12]} "
+            f"in_flight={w['inflight']}/{w['capacity']} last_seen={w['last_seen']} key={w['key_name']}"
+        )
 
 
 def export(

@@ -100,6 +100,7 @@ class WorkerConnection:
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     calls: dict[str, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)  # rpc id -> answer
     draining: bool = False  # the worker is shutting down: no more work for it
+    key: WorkerKey | None = None  # the key it connected with
 
     async def send(
         self, frame: WorkFrame | HeartbeatFrame | WelcomeFrame | ErrorFrame | RpcFrame | CancelFrame
@@ -110,7 +111,18 @@ class WorkerConnection:
     def entry(self, server_id: str) -> WorkerEntry:
         h = self.hello
         return WorkerEntry(
-            self.id, h.model_name, h.compat_hash, h.engine, h.max_context, h.capacity, server_id, self.rpc
+            self.id,
+            h.model_name,
+            h.compat_hash,
+            h.engine,
+            h.max_context,
+            h.capacity,
+            server_id,
+            self.rpc,
+            inflight=len(self.inflight),
+            last_seen=time.time() - (time.monotonic() - self.last_seen),
+            key_id=self.key.id if self.key else "",
+            key_name=self.key.name if self.key else "",
         )
 
     @property
@@ -165,7 +177,8 @@ class WorkerHub:
     async def serve(self, ws: WebSocket) -> None:
         await ws.accept()
         key = _bearer(ws.headers.get("authorization", ""))
-        if not key or not await self._valid_key(key):
+        worker_key = await self._key(key) if key else None
+        if worker_key is None:
             await _refuse(ws, ErrorCode.invalid_worker_key, "unknown or revoked worker key", CLOSE_INVALID_KEY)
             return
         try:
@@ -185,7 +198,7 @@ class WorkerHub:
                 CLOSE_PROTOCOL,
             )
             return
-        conn = WorkerConnection(id=f"w-{self.server_id}-{secrets.token_hex(6)}", hello=hello, ws=ws)
+        conn = WorkerConnection(id=f"w-{self.server_id}-{secrets.token_hex(6)}", hello=hello, ws=ws, key=worker_key)
         if hello.released:
             await self._take_released(hello)
         self.connections[conn.id] = conn
@@ -233,12 +246,29 @@ class WorkerHub:
             except Exception as exc:  # the sweep requeues it later
                 log.warning("could not requeue released %s: %s", message_id, exc)
 
-    async def _valid_key(self, key: str) -> bool:
+    async def _key(self, key: str) -> WorkerKey | None:
+        """The unrevoked worker key, if it is one."""
         async with self.sessions() as s:
-            row = await s.scalar(
+            return await s.scalar(
                 select(WorkerKey).where(WorkerKey.key_hash == hash_key(key), WorkerKey.revoked_at.is_(None))
             )
-        return row is not None
+
+    async def _key_revoked(self, conn: WorkerConnection) -> bool:
+        if conn.key is None:
+            return False
+        async with self.sessions() as s:
+            revoked_at = await s.scalar(select(WorkerKey.revoked_at).where(WorkerKey.id == conn.key.id))
+        return revoked_at is not None
+
+    async def disconnect_key(self, key_id: str) -> int:
+        """Close this process's connections made with a key that was just revoked (other processes
+        notice at their next heartbeat). Their work is requeued as for any lost worker."""
+        closed = 0
+        for conn in list(self.connections.values()):
+            if conn.key is not None and conn.key.id == key_id:
+                await _refuse(conn.ws, ErrorCode.invalid_worker_key, _REVOKED, CLOSE_INVALID_KEY)
+                closed += 1
+        return closed
 
     async def _receive(self, conn: WorkerConnection) -> None:
         while True:
@@ -426,6 +456,10 @@ class WorkerHub:
             await asyncio.sleep(self.settings.worker_heartbeat_interval_s)
             await conn.send(HeartbeatFrame())
             try:
+                if await self._key_revoked(conn):
+                    log.warning("worker %s: its key was revoked; closing", conn.id)
+                    await _refuse(conn.ws, ErrorCode.invalid_worker_key, _REVOKED, CLOSE_INVALID_KEY)
+                    return
                 await self.directory.register(conn.entry(self.server_id), ttl_s=self.settings.worker_timeout_s)
                 if conn.inflight:
                     await self.queue.touch([f.item for f in conn.inflight.values()], conn.id)
@@ -820,6 +854,9 @@ _LOGPROB_SLACK = 1e-3  # float error of a log-softmax near probability 1
 def _bearer(header: str) -> str | None:
     scheme, _, token = header.partition(" ")
     return token.strip() or None if scheme.lower() == "bearer" else None
+
+
+_REVOKED = "the worker key was revoked"
 
 
 async def _refuse(ws: WebSocket, code: ErrorCode, message: str, close_code: int) -> None:

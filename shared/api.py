@@ -255,3 +255,44 @@ class Token(BaseModel):
 class TokenPair(BaseModel):
     access_token: Token
     refresh_token: Token
+
+
+class WorkerRead(BaseModel):
+    """A connected worker (``GET /admin/workers``), as of its last heartbeat."""
+
+    worker_id: str
+    model_name: str
+    compat_hash: str
+    engine: str
+    max_context: int | None
+    capacity: int
+    inflight: int
+    last_seen: datetime | None
+    server_id: str
+    key_id: str
+    key_name: str
+
+
+class ApiKeyRead(BaseModel):
+    id: str
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+class UserRead(BaseModel):
+    """A user (``GET /admin/users``) with its API keys (never the keys themselves)."""
+
+    id: str
+    display_name: str
+    provider: str
+    is_admin: bool
+    created_at: datetime
+    api_keys: list[ApiKeyRead]
+
+
+class WorkerKeyRead(BaseModel):
+    id: str
+    name: str
+    created_at: datetime
+    revoked_at: datetime | None
+    connected_workers: int = 0  # on any server process, as the worker directory lists them

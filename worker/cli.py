@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Annotated, Any
@@ -66,11 +65,16 @@ def worker(
         typer.Option(help="JSON object of extra chat-template variables, e.g. '{\"enable_thinking\": false}'."),
     ] = None,
     log_level: Annotated[str, typer.Option()] = "info",
+    log_format: Annotated[str, typer.Option(help="text, or json: one JSON object per line")] = "text",
 ) -> None:
     """Connect to a server and generate for it until stopped."""
+    from shared.logs import configure_logging
     from worker.runner import VLLMOptions, run_worker
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        configure_logging(log_level, log_format)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
     if engine not in ("hf", "vllm"):
         raise typer.BadParameter("--engine must be hf or vllm")
     if prompt_mode not in ("stitch", "naive"):

@@ -10,9 +10,11 @@ import orjson
 from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
 
+from server.admin import list_users, list_worker_keys, revoke_api_key, revoke_worker_key
 from server.api.deps import AdminUser, StateDep
 from server.errors import ApiError
 from server.export.rollouts import ExportFilters, iter_rollouts
+from shared.api import ApiKeyRead, UserRead, WorkerKeyRead, WorkerRead
 from shared.errors import ErrorCode
 
 router = APIRouter(prefix="/admin", tags=["admin"])
@@ -60,3 +62,60 @@ async def export(
                 yield orjson.dumps(record) + b"\n"
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+@router.get("/workers")
+async def workers(_admin: AdminUser, state: StateDep) -> list[WorkerRead]:
+    """Workers connected to any server process, as of their last heartbeat."""
+    entries = sorted(await state.directory.workers(), key=lambda w: (w.model_name, w.worker_id))
+    return [
+        WorkerRead(
+            worker_id=w.worker_id,
+            model_name=w.model_name,
+            compat_hash=w.compat_hash,
+            engine=w.engine,
+            max_context=w.max_context,
+            capacity=w.capacity,
+            inflight=w.inflight,
+            last_seen=datetime.fromtimestamp(w.last_seen, UTC) if w.last_seen else None,
+            server_id=w.server_id,
+            key_id=w.key_id,
+            key_name=w.key_name,
+        )
+        for w in entries
+    ]
+
+
+@router.get("/users")
+async def users(_admin: AdminUser, state: StateDep) -> list[UserRead]:
+    return await list_users(state.sessions)
+
+
+@router.get("/worker_keys")
+async def worker_keys(_admin: AdminUser, state: StateDep) -> list[WorkerKeyRead]:
+    keys = await list_worker_keys(state.sessions)
+    connected: dict[str, int] = {}
+    for w in await state.directory.workers():
+        connected[w.key_id] = connected.get(w.key_id, 0) + 1
+    return [k.model_copy(update={"connected_workers": connected.get(k.id, 0)}) for k in keys]
+
+
+@router.post("/worker_keys/{key_id}/revoke")
+async def revoke_worker(key_id: str, _admin: AdminUser, state: StateDep) -> WorkerKeyRead:
+    """Revoke a worker key: new connections with it are refused, this process's workers that use
+    it are disconnected now, other processes' at their next heartbeat; their work is requeued."""
+    key = await revoke_worker_key(state.sessions, key_id)
+    if key is None:
+        raise ApiError(ErrorCode.not_found, f"no worker key {key_id}")
+    await state.hub.disconnect_key(key_id)
+    return key
+
+
+@router.post("/api_keys/{key_id}/revoke")
+async def revoke_user_key(key_id: str, _admin: AdminUser, state: StateDep) -> ApiKeyRead:
+    """Revoke a user's API key; requests with it are refused within a few seconds (auth cache)."""
+    key = await revoke_api_key(state.sessions, key_id)
+    if key is None:
+        raise ApiError(ErrorCode.not_found, f"no API key {key_id}")
+    state.auth_cache.clear()  # this process refuses it at once
+    return key

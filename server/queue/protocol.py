@@ -42,6 +42,10 @@ class WorkerEntry:
     capacity: int
     server_id: str = ""  # the server process the worker is connected to
     rpc: bool = False  # answers tokenizer calls (rpc frames)
+    inflight: int = 0  # messages it is generating (as of its last heartbeat)
+    last_seen: float = 0.0  # wall-clock time of its last frame (as of its last heartbeat)
+    key_id: str = ""  # the worker key it connected with (revoking that key disconnects it)
+    key_name: str = ""
 
 
 class WorkQueue(Protocol):

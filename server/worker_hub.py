@@ -46,6 +46,7 @@ from shared.protocol import (
     ErrorFrame,
     FailedFrame,
     FinishedFrame,
+    GenerationRecord,
     HeartbeatFrame,
     HelloFrame,
     RawPrompt,
@@ -599,7 +600,8 @@ class WorkerHub:
         if problem is not None:
             return inflight, problem
         prompt = frame.prompt_ids if frame.start == 0 else None
-        return inflight, TokenBatch(frame.start, frame.token_ids, frame.logprobs, frame.texts, channels, top, prompt)
+        texts = [without_nul(t) for t in frame.texts]
+        return inflight, TokenBatch(frame.start, frame.token_ids, frame.logprobs, texts, channels, top, prompt)
 
     async def _on_tokens(self, conn: WorkerConnection, frame: TokensFrame) -> None:
         await self._on_tokens_many(conn, [frame])
@@ -633,7 +635,7 @@ class WorkerHub:
         inflight = self._current(conn, frame.message_id, frame.attempt)
         if inflight is None:
             return
-        record = frame.record
+        record = record_without_nul(frame.record)
         problem = token_problem(record.completion_ids, record.logprobs, conn.hello.vocab_size) or token_problem(
             record.prompt_ids, [], conn.hello.vocab_size
         )
@@ -833,6 +835,33 @@ def _log_pass_failure(name: str, exc: Exception) -> None:
         log.warning("%s pass skipped: %r", name, exc)
     else:
         log.error("%s pass failed", name, exc_info=exc)
+
+
+def without_nul(text: str) -> str:
+    """A generated NUL character becomes U+FFFD (same length, so text offsets hold): PostgreSQL text
+    cannot store it, and readers must see what is stored. The token ids stay exact."""
+    return text.replace("\x00", "\ufffd") if "\x00" in text else text
+
+
+def _json_without_nul(value: Any) -> Any:
+    if isinstance(value, str):
+        return without_nul(value)
+    if isinstance(value, list):
+        return [_json_without_nul(v) for v in value]
+    if isinstance(value, dict):
+        return {without_nul(k): _json_without_nul(v) for k, v in value.items()}
+    return value
+
+
+def record_without_nul(record: GenerationRecord) -> GenerationRecord:
+    """The record with every generated NUL character as U+FFFD (see ``without_nul``)."""
+    texts = ("completion_text", "content", "reasoning_content")
+    update: dict[str, Any] = {f: without_nul(v) for f in texts if (v := getattr(record, f)) and "\x00" in v}
+    if record.tool_calls:
+        cleaned = _json_without_nul(record.tool_calls)
+        if cleaned != record.tool_calls:
+            update["tool_calls"] = cleaned
+    return record.model_copy(update=update) if update else record
 
 
 def token_problem(ids: list[int], logprobs: list[float | None], vocab_size: int | None) -> str | None:

@@ -105,6 +105,14 @@ class HostileWorker:
             await ws.send(json.dumps(failed))
             await ws.send(json.dumps({"type": "credit", "credits": 1}))
             return
+        if kind == "nul":  # a model may generate NUL characters (the 0x00 byte token)
+            await tokens(0, [9], [-0.5])  # texts "<9>"; the record's text carries the NUL
+            rec = good_record([9], [-0.5], ["<\x00>"])
+            await ws.send(
+                json.dumps({"type": "finished", "message_id": mid, "attempt": attempt, "record": rec.model_dump()})
+            )
+            await ws.send(json.dumps({"type": "credit", "credits": 1}))
+            return
         if attempt == 1 and kind != "good":
             if kind == "mismatch":
                 await tokens(0, [10, 11, 12], [-0.1, -0.2, -0.3])
@@ -243,3 +251,15 @@ def test_requeues_that_are_not_the_workers_fault_do_not_count(stack: tuple[str, 
     chat, mid = asyncio.run(scenario())
     msg = httpx.get(f"{url}/chats/{chat}/messages/{mid}", headers=headers).json()
     assert msg["state"] == "complete" and msg["attempt"] == 6, msg
+
+
+def test_generated_nul_characters_are_stored_as_replacement_characters(stack: tuple[str, HostileWorker]) -> None:
+    """PostgreSQL text cannot hold U+0000: a generated one is stored (and replayed) as U+FFFD, same
+    length so text offsets hold; the token ids are exact."""
+    url, _ = stack
+    headers = login(url, "nul")
+    chat, mid = start_reply(url, headers, MODEL, 8, text="nul")
+    final = events(url, f"/chats/{chat}/messages/{mid}/events", headers)[-1]
+    assert final["event_type"] == "message", final
+    stored = httpx.get(f"{url}/chats/{chat}/messages/{mid}", params={"include": "tokens"}, headers=headers).json()
+    assert stored["content"] == "<\ufffd>" and stored["completion_token_ids"] == [9]

@@ -237,3 +237,20 @@ def test_a_batch_of_frames_from_one_engine_step_is_taken_in_order(
             return out
 
     assert asyncio.run(scenario()) == ["5,6", "7,8"]
+
+
+def test_work_that_ended_just_before_a_lost_connection_is_named_to_the_next_server(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A finished record sent moments before the server died may never have been stored: the worker
+    names that message in its next hello (the server requeues it only if that attempt is still
+    current), so it is not left to the reaper's idle timeout. Older work is not named."""
+    fmt = ChatFormat.load(str(tiny_model_dir))
+    client = WorkerClient(WorkerOptions("http://127.0.0.1:9", "k", MODEL), HFEngine(str(tiny_model_dir)), fmt)
+    now = [1000.0]
+    monkeypatch.setattr("worker.client.time.monotonic", lambda: now[0])
+    client._ended("long-ago", 2)
+    now[0] += 30
+    client._ended("just-now", 3)
+    asyncio.run(client._abort_all())
+    assert client.hello().released == [("just-now", 3)]

@@ -105,6 +105,9 @@ class WorkerClient:
         self._url_index = 0
         self._attempts: dict[str, int] = {}  # message id -> attempt of the work in hand
         self._released: dict[str, int] = {}  # work lost with the last connection, told to the next server
+        # Work ended here moments ago (message id -> (attempt, when)): its last frames may have died
+        # with the server before being stored, so it is named in ``released`` too (fenced by attempt).
+        self._recent: dict[str, tuple[int, float]] = {}
         self._drain_frames = False  # the server takes a drain frame
         self.completed = 0
 
@@ -287,6 +290,11 @@ class WorkerClient:
         for key in self._tasks:
             if key in self._attempts:
                 self._released[key] = self._attempts[key]
+        since = time.monotonic() - _UNSTORED_S
+        for key, (attempt, ended) in self._recent.items():
+            if ended >= since:
+                self._released.setdefault(key, attempt)
+        self._recent.clear()
         self._attempts.clear()
         tasks = list(self._tasks.values())
         for t in tasks:
@@ -326,8 +334,15 @@ class WorkerClient:
         finally:
             self._tasks.pop(frame.message_id, None)
             self._attempts.pop(frame.message_id, None)
+            self._ended(frame.message_id, frame.attempt)
         if not self.draining:
             await self._send_quietly(CreditFrame(credits=1))
+
+    def _ended(self, message_id: str, attempt: int) -> None:
+        now = time.monotonic()
+        self._recent[message_id] = (attempt, now)
+        if len(self._recent) > 256:  # keep only what a reconnect could still need
+            self._recent = {k: v for k, v in self._recent.items() if v[1] >= now - _UNSTORED_S}
 
     async def _send_quietly(self, frame: FailedFrame | CreditFrame) -> None:
         with contextlib.suppress(ConnectionError, websockets.exceptions.WebSocketException):
@@ -569,6 +584,11 @@ class StopStrings:
         elif parsed.reasoning_content is not None and stop in parsed.reasoning_content:
             parsed.reasoning_content = parsed.reasoning_content[: parsed.reasoning_content.find(stop)]
         return parsed
+
+
+# How long after its last frame a message is still named in ``released`` when the connection
+# fails: frames in flight or unprocessed when a server dies are lost with it.
+_UNSTORED_S = 10.0
 
 
 def _request_id(message_id: str, attempt: int) -> str:

@@ -6,10 +6,12 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, WebSocket
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from server import migrate
@@ -141,6 +143,14 @@ def create_app(settings: ServerSettings) -> FastAPI:
         app.include_router(router, responses=API_ERROR_RESPONSES)
     for router in (openai_router, completions_router, tokenizer_router):
         app.include_router(router, responses=OPENAI_ERROR_RESPONSES)
+
+    web = Path(__file__).parent / "web"
+    app.mount("/web", StaticFiles(directory=web), name="web")
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> FileResponse:
+        """The web chat (server/web: plain modules on the public API, no build step)."""
+        return FileResponse(web / "index.html")
 
     @app.websocket("/workers/work")
     async def worker_socket(ws: WebSocket) -> None:

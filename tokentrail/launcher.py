@@ -134,7 +134,9 @@ def up(
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _interrupt)
     with running_stack(data_dir, port, model, quiet=False) as url:
-        typer.echo(f"\nready. chat with: tokentrail chat --server-url {url}\nCtrl-C stops.")
+        typer.echo(
+            f"\nready. chat in a browser: {url}/  or in a terminal: tokentrail chat --server-url {url}\nCtrl-C stops."
+        )
         with contextlib.suppress(KeyboardInterrupt):
             while True:
                 time.sleep(3600)

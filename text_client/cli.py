@@ -1,12 +1,19 @@
-"""``tokentrail chat``: a REPL that streams the assistant's replies over SSE."""
+"""``tokentrail chat``: the REPL (text_client/repl.py) over HTTP + SSE."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
 
 from text_client.client import ApiError, ChatClient
+from text_client.repl import Repl, run
+
+
+def _history_file() -> Path:
+    return Path.home() / ".local" / "share" / "tokentrail" / "chat_history"
 
 
 def chat(
@@ -16,8 +23,10 @@ def chat(
     model: Annotated[str | None, typer.Option(help="Model name; default: the first one offered.")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 256,
     temperature: Annotated[float, typer.Option(min=0.0)] = 0.8,
+    history: Annotated[bool, typer.Option(help="Keep line history in ~/.local/share/tokentrail.")] = True,
 ) -> None:
-    """Chat with a model. Each line you type is a message; Ctrl-C stops a reply; Ctrl-D quits."""
+    """Chat with a model. Each line you type is a message; /help lists the commands; Ctrl-C stops
+    a reply; Ctrl-D quits."""
     client = ChatClient(server_url)
     try:
         if api_key:
@@ -25,45 +34,19 @@ def chat(
         else:
             client.login_debug(username or "repl")
         models = [m["name"] for m in client.models()]
+    except ApiError as exc:
+        client.close()
+        raise typer.BadParameter(f"{server_url}: {exc}") from exc
+    try:
         if not models:
             raise typer.BadParameter("no worker is connected to the server yet; start one with `tokentrail worker`")
         name = model or models[0]
         if name not in models:
             raise typer.BadParameter(f"model {name!r} is not offered; offered: {', '.join(models)}")
-        chat_obj = client.create_chat()
-        typer.echo(f"chat {chat_obj['id']} with {name}; Ctrl-D quits")
-        parent: str | None = None
-        while True:
-            try:
-                line = input("you> ")
-            except EOFError:
-                typer.echo()
-                return
-            if not line.strip():
-                continue
-            try:
-                prompt = client.prompter_message(chat_obj["id"], parent, line)
-                reply = client.assistant_message(
-                    chat_obj["id"],
-                    prompt["id"],
-                    name,
-                    {"max_new_tokens": max_new_tokens, "temperature": temperature},
-                )
-                typer.echo("assistant> ", nl=False)
-                try:
-                    for event in client.events(chat_obj["id"], reply["id"]):
-                        if event["event_type"] == "token":
-                            typer.echo(event["text"], nl=False)
-                        elif event["event_type"] == "error" and event.get("code") != "cancelled":
-                            typer.echo(f"\n[error: {event['error']}]")
-                except KeyboardInterrupt:  # Ctrl-C stops the reply, not the program
-                    client.cancel(chat_obj["id"], reply["id"])
-                    typer.echo("\n[cancelled]", nl=False)
-                typer.echo()
-                final = client.message(chat_obj["id"], reply["id"])
-                if final["state"] == "complete":
-                    parent = reply["id"]
-            except ApiError as exc:
-                typer.echo(f"[{exc}]", err=True)
+        repl = Repl(
+            client, name, Console(highlight=False), {"max_new_tokens": max_new_tokens, "temperature": temperature}
+        )
+        repl.new_chat()
+        run(repl, _history_file() if history else None)
     finally:
         client.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,9 +47,25 @@ class ChatClient:
         result: list[dict[str, Any]] = self._check(self.http.get("/configs/model_configs"))
         return result
 
-    def create_chat(self) -> dict[str, Any]:
-        result: dict[str, Any] = self._check(self.http.post("/chats", json={}))
+    def create_chat(self, system_prompt: str | None = None) -> dict[str, Any]:
+        body = {"system_prompt": system_prompt} if system_prompt else {}
+        result: dict[str, Any] = self._check(self.http.post("/chats", json=body))
         return result
+
+    def chats(self, limit: int = 50) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self._check(self.http.get("/chats", params={"limit": limit}))["chats"]
+        return result
+
+    def chat(self, chat_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._check(self.http.get(f"/chats/{chat_id}"))
+        return result
+
+    def update_chat(self, chat_id: str, **fields: Any) -> dict[str, Any]:
+        result: dict[str, Any] = self._check(self.http.put(f"/chats/{chat_id}", json=fields))
+        return result
+
+    def vote(self, chat_id: str, message_id: str, score: int) -> None:
+        self._check(self.http.post(f"/chats/{chat_id}/messages/{message_id}/votes", json={"score": score}))
 
     def prompter_message(self, chat_id: str, parent_id: str | None, content: str) -> dict[str, Any]:
         body = {"parent_id": parent_id, "content": content}
@@ -86,3 +103,31 @@ class ChatClient:
                 yield payload
                 if payload.get("event_type") in ("message", "error"):
                     return
+
+    def follow(self, chat_id: str, message_id: str, *, retries: int = 30) -> Iterator[dict[str, Any]]:
+        """Like ``events``, but a dropped connection (a restarting server, a network blip) is
+        resumed with Last-Event-ID, so each token is yielded once; ``reset`` events are passed on."""
+        last: int | None = None
+        failures = 0
+        while True:
+            try:
+                for event in self.events(chat_id, message_id, last):
+                    failures = 0
+                    kind = event.get("event_type")
+                    if kind == "token":
+                        last = max(last if last is not None else -1, int(event["index"]))
+                    elif kind == "reset":
+                        start = int(event["from_index"])
+                        last = start - 1 if start > 0 else None
+                    yield event
+                    if kind in ("message", "error"):
+                        return
+            except (httpx.TransportError, httpx.RemoteProtocolError):
+                pass
+            except ApiError as exc:
+                if exc.status < 500:
+                    raise
+            failures += 1
+            if failures > retries:
+                raise ApiError(503, "not_ready", "the event stream kept failing")
+            time.sleep(min(0.5 * failures, 3.0))

@@ -82,3 +82,14 @@ _SETTINGS: dict[str, object] = {}
 @pytest.fixture(scope="session")
 def embedded_settings(embedded_stack: str) -> object:
     return _SETTINGS["embedded"]
+
+
+@pytest.fixture
+def private_redis() -> Iterator[services.RestartableRedis]:
+    """A redis-server of the test's own (no persistence) that it may SIGKILL and start again."""
+    try:
+        proc = services.RestartableRedis().start()
+    except services.ServiceUnavailable as exc:
+        pytest.skip(str(exc))
+    yield proc
+    proc.stop()

@@ -8,12 +8,13 @@ websockets); ``WorkerThread`` runs a real worker client (its own event loop) aga
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -182,3 +183,21 @@ def fake_hello(model: str, *, engine: str = "none", capacity: int = 1, vocab_siz
         capacity=capacity,
         vocab_size=vocab_size,
     )
+
+
+@contextlib.contextmanager
+def serving(data_dir: Path, model: str, model_dir: str) -> Iterator[str]:
+    """A server on embedded defaults (thread) with one hf worker (thread) offering ``model_dir`` as
+    ``model``; yields the server URL."""
+    from worker.engines.hf import HFEngine
+
+    settings = ServerSettings(data_dir=data_dir, port=free_port())
+    server = ServerThread(settings).start()
+    fmt = ChatFormat.load(model_dir)
+    worker = WorkerThread(server.url, worker_key(settings), model, fmt, lambda: HFEngine(model_dir))
+    try:
+        worker.start()
+        yield server.url
+    finally:
+        worker.stop()
+        server.stop()

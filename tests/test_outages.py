@@ -4,29 +4,18 @@ redis-server killed with SIGKILL and started again; a database URL whose server 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from server.settings import ServerSettings
-from tests.services import RestartableRedis, ServiceUnavailable
+from tests.services import RestartableRedis
 from tests.stack import ServerThread, free_port, wait_for, worker_key
 from tests.test_e2e_embedded import login
 from tests.test_limits import IdleWorker, ask, new_turn
 
 pytestmark = [pytest.mark.redis]
-
-
-@pytest.fixture
-def private_redis() -> Iterator[RestartableRedis]:
-    try:
-        proc = RestartableRedis().start()
-    except ServiceUnavailable as exc:
-        pytest.skip(str(exc))
-    yield proc
-    proc.stop()
 
 
 def test_redis_away_answers_503_with_retry_after_and_readers_get_a_retry_hint(

@@ -14,10 +14,7 @@ import httpx
 import pexpect
 import pytest
 
-from server.settings import ServerSettings
-from tests.stack import ServerThread, WorkerThread, free_port, worker_key
-from worker.chat_format import ChatFormat
-from worker.engines.hf import HFEngine
+from tests.stack import serving
 
 MODEL = "repl-model"
 PROMPT = "you>\x1b"  # prompt_toolkit draws the prompt, then moves the cursor
@@ -25,15 +22,9 @@ PROMPT = "you>\x1b"  # prompt_toolkit draws the prompt, then moves the cursor
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory, trained_model: Callable[[str], Path]) -> Iterator[str]:
-    model_dir = str(trained_model("chatml"))
-    settings = ServerSettings(data_dir=tmp_path_factory.mktemp("repl"), port=free_port())
-    server = ServerThread(settings).start()
-    fmt = ChatFormat.load(model_dir)
-    worker = WorkerThread(server.url, worker_key(settings), MODEL, fmt, lambda: HFEngine(model_dir))
-    worker.start()
-    yield server.url
-    worker.stop()
-    server.stop()
+    # trained briefly: its tokens have readable probabilities
+    with serving(tmp_path_factory.mktemp("repl"), MODEL, str(trained_model("chatml"))) as url:
+        yield url
 
 
 def _spawn(url: str, user: str, tmp: Path) -> pexpect.spawn:

@@ -8,14 +8,13 @@ no longer holds and requeues them; a worker that connects afterwards completes a
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from server.settings import ServerSettings
-from tests.services import RestartableRedis, ServiceUnavailable
+from tests.services import RestartableRedis
 from tests.stack import ServerThread, WorkerThread, free_port, wait_for, worker_key
 from tests.test_e2e_embedded import events, login
 from tests.test_limits import MODEL, IdleWorker, ask, new_turn
@@ -23,16 +22,6 @@ from worker.chat_format import ChatFormat
 from worker.engines.hf import HFEngine
 
 pytestmark = [pytest.mark.redis]
-
-
-@pytest.fixture
-def private_redis() -> Iterator[RestartableRedis]:
-    try:
-        proc = RestartableRedis().start()
-    except ServiceUnavailable as exc:
-        pytest.skip(str(exc))
-    yield proc
-    proc.stop()
 
 
 def test_messages_queued_in_a_redis_that_restarts_empty_are_requeued(

@@ -15,10 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from server.settings import ServerSettings
-from tests.stack import ServerThread, WorkerThread, free_port, worker_key
-from worker.chat_format import ChatFormat
-from worker.engines.hf import HFEngine
+from tests.stack import serving
 
 MODEL = "web-model"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -28,15 +25,9 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium (apt-ge
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory, trained_model: Callable[[str], Path]) -> Iterator[str]:
-    model_dir = str(trained_model("chatml"))  # trained briefly: its tokens have readable probabilities
-    settings = ServerSettings(data_dir=tmp_path_factory.mktemp("web"), port=free_port())
-    server = ServerThread(settings).start()
-    fmt = ChatFormat.load(model_dir)
-    worker = WorkerThread(server.url, worker_key(settings), MODEL, fmt, lambda: HFEngine(model_dir))
-    worker.start()
-    yield server.url
-    worker.stop()
-    server.stop()
+    # trained briefly: its tokens have readable probabilities
+    with serving(tmp_path_factory.mktemp("web"), MODEL, str(trained_model("chatml"))) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

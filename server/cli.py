@@ -7,14 +7,16 @@ import json
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 from pydantic import BaseModel
 
-from server.db import SessionFactory
 from server.settings import ServerSettings
 from shared.logs import configure_logging, uvicorn_log_config
+
+if TYPE_CHECKING:  # the worker's environment (e.g. vLLM's venv) has no SQLAlchemy
+    from server.db import SessionFactory
 
 T = TypeVar("T")
 

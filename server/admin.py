@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import TypeVar
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -44,7 +45,7 @@ async def list_users(sessions: SessionFactory) -> list[UserRead]:
         keys = (await s.scalars(select(ApiKey).order_by(ApiKey.created_at))).all()
     by_user: dict[str, list[ApiKeyRead]] = {}
     for k in keys:
-        by_user.setdefault(k.user_id, []).append(ApiKeyRead(id=k.id, created_at=k.created_at, revoked_at=k.revoked_at))
+        by_user.setdefault(k.user_id, []).append(_api_key_read(k))
     return [
         UserRead(
             id=u.id,
@@ -61,28 +62,38 @@ async def list_users(sessions: SessionFactory) -> list[UserRead]:
 async def list_worker_keys(sessions: SessionFactory) -> list[WorkerKeyRead]:
     async with sessions() as s:
         keys = (await s.scalars(select(WorkerKey).order_by(WorkerKey.created_at))).all()
-    return [WorkerKeyRead(id=k.id, name=k.name, created_at=k.created_at, revoked_at=k.revoked_at) for k in keys]
+    return [_worker_key_read(k) for k in keys]
+
+
+def _worker_key_read(k: WorkerKey) -> WorkerKeyRead:
+    return WorkerKeyRead(id=k.id, name=k.name, created_at=k.created_at, revoked_at=k.revoked_at)
+
+
+def _api_key_read(k: ApiKey) -> ApiKeyRead:
+    return ApiKeyRead(id=k.id, created_at=k.created_at, revoked_at=k.revoked_at)
+
+
+_Key = TypeVar("_Key", WorkerKey, ApiKey)
+
+
+async def _revoke(sessions: SessionFactory, model: type[_Key], key_id: str) -> _Key | None:
+    """Revoke (idempotently) and return the key row; None if there is no such key."""
+    async with sessions() as s:
+        key = await s.get(model, key_id)
+        if key is not None:
+            key.revoked_at = key.revoked_at or utcnow()
+            await s.commit()
+        return key
 
 
 async def revoke_worker_key(sessions: SessionFactory, key_id: str) -> WorkerKeyRead | None:
-    """Revoke (idempotently) and return the key; None if there is no such key."""
-    async with sessions() as s:
-        key = await s.get(WorkerKey, key_id)
-        if key is None:
-            return None
-        key.revoked_at = key.revoked_at or utcnow()
-        await s.commit()
-        return WorkerKeyRead(id=key.id, name=key.name, created_at=key.created_at, revoked_at=key.revoked_at)
+    key = await _revoke(sessions, WorkerKey, key_id)
+    return _worker_key_read(key) if key is not None else None
 
 
 async def revoke_api_key(sessions: SessionFactory, key_id: str) -> ApiKeyRead | None:
-    async with sessions() as s:
-        key = await s.get(ApiKey, key_id)
-        if key is None:
-            return None
-        key.revoked_at = key.revoked_at or utcnow()
-        await s.commit()
-        return ApiKeyRead(id=key.id, created_at=key.created_at, revoked_at=key.revoked_at)
+    key = await _revoke(sessions, ApiKey, key_id)
+    return _api_key_read(key) if key is not None else None
 
 
 async def open_database(settings: ServerSettings) -> tuple[AsyncEngine, SessionFactory]:

@@ -175,28 +175,27 @@ def list_worker_keys(database_url: DatabaseUrl = None, data_dir: DataDir = None)
     _print_json(_with_db(_settings(database_url=database_url, data_dir=data_dir), ops.list_worker_keys))
 
 
+def _revoke(kind: str, key_id: str, database_url: str | None, data_dir: Path | None) -> None:
+    from server import admin as ops
+
+    revoke = ops.revoke_worker_key if kind == "worker key" else ops.revoke_api_key
+    settings = _settings(database_url=database_url, data_dir=data_dir)
+    key = _with_db(settings, lambda sessions: revoke(sessions, key_id))
+    if key is None:
+        raise typer.BadParameter(f"no {kind} {key_id}")
+    _print_json([key])
+
+
 @admin_app.command("revoke-worker-key")
 def revoke_worker_key(key_id: str, database_url: DatabaseUrl = None, data_dir: DataDir = None) -> None:
     """Revoke a worker key: connected workers using it are dropped at their next heartbeat."""
-    from server import admin as ops
-
-    settings = _settings(database_url=database_url, data_dir=data_dir)
-    key = _with_db(settings, lambda sessions: ops.revoke_worker_key(sessions, key_id))
-    if key is None:
-        raise typer.BadParameter(f"no worker key {key_id}")
-    _print_json([key])
+    _revoke("worker key", key_id, database_url, data_dir)
 
 
 @admin_app.command("revoke-api-key")
 def revoke_api_key(key_id: str, database_url: DatabaseUrl = None, data_dir: DataDir = None) -> None:
     """Revoke a user's API key (ids: ``tokentrail admin list-users``); refused within seconds."""
-    from server import admin as ops
-
-    settings = _settings(database_url=database_url, data_dir=data_dir)
-    key = _with_db(settings, lambda sessions: ops.revoke_api_key(sessions, key_id))
-    if key is None:
-        raise typer.BadParameter(f"no API key {key_id}")
-    _print_json([key])
+    _revoke("API key", key_id, database_url, data_dir)
 
 
 @admin_app.command("workers")

@@ -446,7 +446,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "http_5xx": sum(tally.status_5xx.values()),
         "http_5xx_by_route": dict(tally.status_5xx),
         "refused": dict(tally.refused),
-        "kill_to_next_token_s": {"n": len(gaps), "p50": _pct(gaps, 0.5), "p99": _pct(gaps, 0.99)},
+        "kill_to_next_token_s": _gap_stats(gaps),
         "interrupted_kill_to_next_token_s": _gap_stats([g for _, g in hit]),
         "interrupted_by_victim_s": {
             kind: _gap_stats([g for k, g in hit if k == kind]) for kind in sorted({k for k, _ in hit})

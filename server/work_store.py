@@ -167,7 +167,7 @@ class WorkStore:
             await s.commit()
             return before if res.rowcount else None  # type: ignore[attr-defined]
 
-    async def is_cancelled(self, message_id: str) -> bool:
+    async def is_cancelled_or_deleted(self, message_id: str) -> bool:
         """Cancelled, or deleted with its chat: either way its readers get the cancelled end."""
         async with self.sessions() as s:
             state = await s.scalar(select(Message.state).where(Message.id == message_id))

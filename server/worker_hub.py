@@ -668,12 +668,12 @@ class WorkerHub:
             chain_known=inflight.chain_known,
         )
         conn.inflight.pop(frame.message_id, None)
-        if stored and record.finish_reason == "abort" and await self.store.is_cancelled(frame.message_id):
+        if stored and record.finish_reason == "abort" and await self.store.is_cancelled_or_deleted(frame.message_id):
             await self._finish_cancelled(frame.message_id)
         elif stored:
             self.metrics.finished.labels(MessageState.complete.value).inc()
             await self.streams.finish(frame.message_id, StreamDone("complete"))
-        elif await self.store.is_cancelled(frame.message_id):  # cancelled, record refused: readers still end
+        elif await self.store.is_cancelled_or_deleted(frame.message_id):  # cancelled, record refused: readers still end
             await self._finish_cancelled(frame.message_id)
         await self.queue.ack(inflight.item)
 
@@ -708,7 +708,7 @@ class WorkerHub:
         connection, a failure, bad frames), which counts toward ``max_attempts``; a dead server or a
         Redis restart does not."""
         attempt = await self.store.next_attempt(item.message_id, item.attempt, failed=failed)
-        if attempt is None and await self.store.is_cancelled(item.message_id):
+        if attempt is None and await self.store.is_cancelled_or_deleted(item.message_id):
             await self._finish_cancelled(item.message_id)  # cancelled while its worker was lost
         if attempt is not None:
             try:
@@ -743,7 +743,7 @@ class WorkerHub:
         if await self.store.fail(item.message_id, None, code, error):
             self._count_failure(code)
             await self.streams.finish(item.message_id, StreamDone("error", error=error, code=str(code)))
-        elif await self.store.is_cancelled(item.message_id):
+        elif await self.store.is_cancelled_or_deleted(item.message_id):
             await self._finish_cancelled(item.message_id)
         await self.queue.ack(item)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import asdict
 from datetime import UTC, datetime
 from typing import Annotated
 
@@ -68,19 +69,10 @@ async def export(
 async def workers(_admin: AdminUser, state: StateDep) -> list[WorkerRead]:
     """Workers connected to any server process, as of their last heartbeat."""
     entries = sorted(await state.directory.workers(), key=lambda w: (w.model_name, w.worker_id))
+    # the directory entry's fields, with the heartbeat as a time (WorkerRead leaves out the rest)
     return [
-        WorkerRead(
-            worker_id=w.worker_id,
-            model_name=w.model_name,
-            compat_hash=w.compat_hash,
-            engine=w.engine,
-            max_context=w.max_context,
-            capacity=w.capacity,
-            inflight=w.inflight,
-            last_seen=datetime.fromtimestamp(w.last_seen, UTC) if w.last_seen else None,
-            server_id=w.server_id,
-            key_id=w.key_id,
-            key_name=w.key_name,
+        WorkerRead.model_validate(
+            {**asdict(w), "last_seen": datetime.fromtimestamp(w.last_seen, UTC) if w.last_seen else None}
         )
         for w in entries
     ]

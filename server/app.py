@@ -31,7 +31,7 @@ from server.request_guard import RequestGuard
 from server.settings import ServerSettings
 from server.state import AppState
 from server.streams.protocol import TokenStreams
-from server.worker_hub import WorkerHub
+from server.workers.hub import WorkerHub
 from shared.errors import API_ERROR_RESPONSES, OPENAI_ERROR_RESPONSES, ErrorCode
 
 log = logging.getLogger(__name__)
@@ -107,9 +107,9 @@ def create_app(settings: ServerSettings) -> FastAPI:
         )
         hub = WorkerHub(settings, sessions, queue, directory, streams)
         if redis is not None:
-            from server.queue.rpc_relay import RedisRpcRelay
+            from server.workers.relay import RedisRpcRelay
 
-            hub.relay = RedisRpcRelay(redis, hub.server_id)
+            hub.rpc.relay = RedisRpcRelay(redis, hub.server_id)
         limiter = RateLimiter(settings.rate_limit_per_minute, settings.rate_limit_burst, redis)
         app.state.tt = AppState(settings, engine, sessions, queue, directory, streams, signer, hub, redis, limiter)
         hub.start()

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from redis.asyncio import Redis
 
     from server.models import User
-    from server.worker_hub import WorkerHub
+    from server.workers.hub import WorkerHub
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from server.queue.rpc_relay import RedisRpcRelay, RelayError, RelayTimeout
+from server.workers.relay import RedisRpcRelay, RelayError, RelayTimeout
 
 pytestmark = [pytest.mark.redis]
 

@@ -195,7 +195,7 @@ async def create_assistant_message(
         if not is_unavailable(exc):
             raise
         # Redis away: the message is stored (pending); it is queued as soon as Redis answers again
-        state.hub.enqueue_later(body.model_config_name, msg.id, msg.attempt)
+        state.hub.recovery.enqueue_later(body.model_config_name, msg.id, msg.attempt)
     return message_to_read(msg)
 
 

@@ -18,7 +18,7 @@ from server.openai.follow import Finished, Progress, follow
 from server.openai.responses import sse
 from server.queue.protocol import QueueFull
 from server.state import AppState
-from server.worker_hub import RpcFailed, RpcUnavailable
+from server.workers.rpc import RpcFailed, RpcUnavailable
 from shared.api import MAX_NEW_TOKENS_LIMIT, SamplingParameters
 from shared.errors import ErrorCode
 from shared.openai_api import SamplingKnobs
@@ -53,7 +53,7 @@ async def resolve_model(state: AppState, model: str | None) -> str:
 async def rpc_call(state: AppState, model: str, method: RpcMethod, params: dict[str, Any]) -> dict[str, Any]:
     """Tokenizer work on a worker of ``model`` (the server never loads a tokenizer)."""
     try:
-        return await state.hub.call(model, method, params)
+        return await state.hub.rpc.call(model, method, params)
     except RpcUnavailable as exc:
         raise ApiError(ErrorCode.no_worker, str(exc), headers={"Retry-After": "1"}) from exc
     except RpcFailed as exc:
@@ -110,7 +110,7 @@ async def enqueue(state: AppState, messages: list[Message]) -> None:
             if not is_unavailable(exc):
                 raise
             # Redis away: the message is stored (pending) and queued as soon as Redis answers again
-            state.hub.enqueue_later(msg.model_config_name or "", msg.id, msg.attempt)
+            state.hub.recovery.enqueue_later(msg.model_config_name or "", msg.id, msg.attempt)
 
 
 async def collect(state: AppState, message_id: str) -> tuple[Finished, Progress]:

@@ -1,0 +1,127 @@
+"""One connected worker as the hub sees it: its hello, credits, the work it holds, its pending
+tokenizer calls; how its id is minted; and how a connection is refused or its key checked."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import WebSocket
+from sqlalchemy import select
+
+from server.auth import hash_key
+from server.db import SessionFactory
+from server.metrics import StreamTimer
+from server.models import WorkerKey
+from server.queue.protocol import WorkerEntry, WorkItem
+from shared.errors import ErrorCode
+from shared.protocol import (
+    FEATURE_RPC,
+    CancelFrame,
+    ErrorFrame,
+    HeartbeatFrame,
+    HelloFrame,
+    RpcFrame,
+    WelcomeFrame,
+    WorkFrame,
+)
+
+CLOSE_INVALID_KEY = 4401
+CLOSE_PROTOCOL = 4426
+CLOSE_BAD_FRAME = 4400
+
+REVOKED = "the worker key was revoked"
+
+
+@dataclass
+class InFlight:
+    item: WorkItem
+    next_index: int  # index the next tokens frame must start at
+    parent_chain: str | None = None  # the parent's chain hash (prefix index), known once dispatched
+    chain_known: bool = False
+    streamed: list[int] = field(default_factory=list)  # token ids readers have seen (resumed ones too)
+    timer: StreamTimer | None = None  # latency metrics, from dispatch on
+
+
+@dataclass
+class WorkerConnection:
+    id: str
+    hello: HelloFrame
+    ws: WebSocket
+    credits: int = 0
+    credit_event: asyncio.Event = field(default_factory=asyncio.Event)
+    inflight: dict[str, InFlight] = field(default_factory=dict)
+    last_seen: float = field(default_factory=time.monotonic)
+    send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    calls: dict[str, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)  # rpc id -> answer
+    draining: bool = False  # the worker is shutting down: no more work for it
+    key: WorkerKey | None = None  # the key it connected with
+
+    async def send(
+        self, frame: WorkFrame | HeartbeatFrame | WelcomeFrame | ErrorFrame | RpcFrame | CancelFrame
+    ) -> None:
+        async with self.send_lock:
+            await self.ws.send_text(frame.model_dump_json())
+
+    def entry(self, server_id: str) -> WorkerEntry:
+        h = self.hello
+        return WorkerEntry(
+            self.id,
+            h.model_name,
+            h.compat_hash,
+            h.engine,
+            h.max_context,
+            h.capacity,
+            server_id,
+            self.rpc,
+            inflight=len(self.inflight),
+            last_seen=time.time() - (time.monotonic() - self.last_seen),
+            key_id=self.key.id if self.key else "",
+            key_name=self.key.name if self.key else "",
+        )
+
+    @property
+    def rpc(self) -> bool:
+        return FEATURE_RPC in self.hello.features
+
+
+def new_worker_id(server_id: str) -> str:
+    """A connection's id, ``w-<server id>-<random>``: it names the server process that holds the
+    connection, which is how other processes route a cancel to it (``server_of``)."""
+    return f"w-{server_id}-{secrets.token_hex(6)}"
+
+
+def server_of(worker_id: str) -> str:
+    """The server process a worker id was minted by (``new_worker_id``); "" for a foreign id."""
+    return worker_id.split("-")[1] if worker_id.count("-") >= 2 else ""
+
+
+def bearer(header: str) -> str | None:
+    scheme, _, token = header.partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
+
+
+async def refuse(ws: WebSocket, code: ErrorCode, message: str, close_code: int) -> None:
+    with contextlib.suppress(Exception):
+        await ws.send_text(ErrorFrame(code=code.value, message=message).model_dump_json())
+        await ws.close(code=close_code)
+
+
+async def worker_key(sessions: SessionFactory, key: str) -> WorkerKey | None:
+    """The unrevoked worker key, if it is one."""
+    async with sessions() as s:
+        return await s.scalar(
+            select(WorkerKey).where(WorkerKey.key_hash == hash_key(key), WorkerKey.revoked_at.is_(None))
+        )
+
+
+async def key_revoked(sessions: SessionFactory, conn: WorkerConnection) -> bool:
+    if conn.key is None:
+        return False
+    async with sessions() as s:
+        revoked_at = await s.scalar(select(WorkerKey.revoked_at).where(WorkerKey.id == conn.key.id))
+    return revoked_at is not None

@@ -23,6 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.errors import ApiError
 from server.models import Chat, Message
+from server.settings import ServerSettings
 from shared.api import MessageState
 from shared.errors import ErrorCode
 
@@ -30,8 +31,6 @@ log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
-
-    from server.state import AppState
 
 # KEYS[1]: the user's theoretical arrival time (ms). ARGV: interval ms, tolerance ms, cost.
 # Returns 0 when admitted, else the milliseconds to wait.
@@ -102,10 +101,11 @@ async def open_messages(session: AsyncSession, user_id: str, model: str) -> int:
     return int(n or 0)
 
 
-async def admit(state: AppState, session: AsyncSession, user_id: str, model: str, count: int = 1) -> None:
+async def admit(
+    settings: ServerSettings, limiter: RateLimiter, session: AsyncSession, user_id: str, model: str, count: int = 1
+) -> None:
     """Raise 429 unless ``user_id`` may queue ``count`` more generations of ``model`` now. Uses the
     request's own session: a second connection per request could exhaust the pool under load."""
-    settings = state.settings
     share = max(1, math.floor(settings.user_queue_share * settings.max_queue_size))
     if count > share:
         raise ApiError(ErrorCode.queue_share_exceeded, f"one request may ask for at most {share} generations")
@@ -116,7 +116,7 @@ async def admit(state: AppState, session: AsyncSession, user_id: str, model: str
             f"you have {open_now} generations of {model!r} queued or running; at most {share} at once",
             headers={"Retry-After": "2"},
         )
-    wait = await state.rate_limiter.wait_ms(user_id, count)
+    wait = await limiter.wait_ms(user_id, count)
     if wait > 0:
         raise ApiError(
             ErrorCode.rate_limited,

@@ -26,6 +26,7 @@ from server.api.openai_completions import router as completions_router
 from server.api.tokenizer import router as tokenizer_router
 from server.auth import TokenSigner
 from server.db import create_engine, create_session_factory, ping
+from server.metrics import Metrics
 from server.queue.protocol import WorkerDirectory, WorkQueue
 from server.request_guard import RequestGuard
 from server.settings import ServerSettings
@@ -42,7 +43,8 @@ health_router = APIRouter(tags=["health"])
 @health_router.get("/metrics", include_in_schema=False)
 async def metrics(state: StateDep) -> Response:
     """Prometheus text exposition of this process (server/metrics.py)."""
-    return Response(await state.hub.metrics.render(state), media_type=CONTENT_TYPE_LATEST)
+    text = await state.metrics.render(state.hub.load(), state.directory, state.queue, state.sessions)
+    return Response(text, media_type=CONTENT_TYPE_LATEST)
 
 
 @health_router.get("/health")
@@ -105,13 +107,16 @@ def create_app(settings: ServerSettings) -> FastAPI:
         signer = TokenSigner(
             settings.resolved_auth_secret(), settings.access_token_minutes, settings.refresh_token_days
         )
-        hub = WorkerHub(settings, sessions, queue, directory, streams)
+        metrics = Metrics()
+        hub = WorkerHub(settings, sessions, queue, directory, streams, metrics)
         if redis is not None:
             from server.workers.relay import RedisRpcRelay
 
             hub.rpc.relay = RedisRpcRelay(redis, hub.server_id)
         limiter = RateLimiter(settings.rate_limit_per_minute, settings.rate_limit_burst, redis)
-        app.state.tt = AppState(settings, engine, sessions, queue, directory, streams, signer, hub, redis, limiter)
+        app.state.tt = AppState(
+            settings, engine, sessions, queue, directory, streams, signer, hub, redis, limiter, metrics
+        )
         hub.start()
         try:
             yield

@@ -98,7 +98,7 @@ def count_error(request: Request, code: str) -> None:
     """Count an error answer in the process's metrics (once the app has started)."""
     state = getattr(request.app.state, "tt", None)
     if state is not None:
-        state.hub.metrics.errors.labels(code).inc()
+        state.metrics.errors.labels(code).inc()
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from sqlalchemy import func, select
 
+from server.db import SessionFactory
 from server.models import Message
+from server.queue.protocol import WorkerDirectory, WorkQueue
 from shared.api import MessageState
-
-if TYPE_CHECKING:
-    from server.state import AppState
 
 # Seconds: from a few milliseconds (a warm GPU) to minutes (a long queue).
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -94,14 +92,16 @@ class Metrics:
             "tokentrail_metrics_scrape_errors", "State reads that failed during a scrape", ["what"], registry=r
         )
 
-    async def render(self, state: AppState) -> bytes:
-        """Refresh the state gauges, then the exposition text. A backing service that is away
-        leaves its gauges as they were (and counts a scrape error) instead of failing the scrape."""
-        hub = state.hub
-        local: dict[str, tuple[int, int]] = {}
-        for conn in list(hub.connections.values()):
-            count, free = local.get(conn.hello.model_name, (0, 0))
-            local[conn.hello.model_name] = (count + 1, free + max(conn.credits, 0))
+    async def render(
+        self,
+        local: dict[str, tuple[int, int]],
+        directory: WorkerDirectory,
+        queue: WorkQueue,
+        sessions: SessionFactory,
+    ) -> bytes:
+        """Refresh the state gauges, then the exposition text. ``local``: per model, the workers
+        connected to this process and their free slots (``WorkerHub.load``). A backing service that
+        is away leaves its gauges as they were (and counts a scrape error) instead of failing the scrape."""
         self.workers.clear()
         self.free_slots.clear()
         for model, (count, free) in local.items():
@@ -110,18 +110,18 @@ class Metrics:
         models = set(local)
         try:
             cluster: dict[str, int] = {}
-            for w in await state.directory.workers():
+            for w in await directory.workers():
                 cluster[w.model_name] = cluster.get(w.model_name, 0) + 1
             self.cluster_workers.clear()
             for model, count in cluster.items():
                 self.cluster_workers.labels(model).set(count)
             models |= set(cluster)
             for model in models:
-                self.queue_depth.labels(model).set((await state.queue.position(model, ""))[1])
+                self.queue_depth.labels(model).set((await queue.position(model, ""))[1])
         except Exception:
             self.scrape_errors.labels("queue").inc()
         try:
-            async with state.sessions() as s:
+            async with sessions() as s:
                 q = select(Message.state, func.count()).where(Message.state.in_(_OPEN)).group_by(Message.state)
                 counts = dict((await s.execute(q)).tuples().all())
             for name in _OPEN:

@@ -1,4 +1,4 @@
-"""What the app's lifespan owns: database, queue, token streams, worker directory, signer, hub."""
+"""What the app's lifespan owns: database, queue, token streams, worker directory, signer, hub, metrics."""
 
 from __future__ import annotations
 
@@ -10,15 +10,16 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from server.admission import RateLimiter
 from server.auth import TokenSigner
 from server.db import SessionFactory
+from server.metrics import Metrics
 from server.queue.protocol import WorkerDirectory, WorkQueue
 from server.settings import ServerSettings
 from server.streams.protocol import TokenStreams
+from server.workers.hub import WorkerHub
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
     from server.models import User
-    from server.workers.hub import WorkerHub
 
 
 @dataclass
@@ -33,6 +34,7 @@ class AppState:
     hub: WorkerHub
     redis: Redis | None
     rate_limiter: RateLimiter
+    metrics: Metrics
     auth_cache: dict[str, tuple[float, User]] = field(default_factory=dict)  # token -> (expiry, user)
     offered_cache: tuple[float, frozenset[str]] = (0.0, frozenset())  # (when, models offered then)
     # model -> time.monotonic() this process last saw it offered: the grace period survives a Redis

@@ -180,7 +180,7 @@ async def create_assistant_message(
             ErrorCode.unknown_model,
             f"no connected worker offers model {body.model_config_name!r}; see GET /configs/model_configs",
         )
-    await admit(state, repo.session, repo.user.id, body.model_config_name)
+    await admit(state.settings, state.rate_limiter, repo.session, repo.user.id, body.model_config_name)
     sampling = body.sampling_parameters
     seed = sampling.seed if sampling.seed is not None else secrets.randbelow(2**63)
     msg = await repo.add_assistant_message(chat_id, body.parent_id, body.model_config_name, sampling, seed)

@@ -122,7 +122,7 @@ async def completions(body: CompletionRequest, user: CurrentUser, session: Sessi
             echoes.append(str((await rpc_call(state, body.model, "detokenize", {"tokens": prompt}))["prompt"]))
         else:
             echoes.append("")
-    await admit(state, session, user.id, body.model, len(prompts) * body.n)
+    await admit(state.settings, state.rate_limiter, session, user.id, body.model, len(prompts) * body.n)
     jobs: list[_Job] = []
     pending: list[Message] = []
     for k, prompt in enumerate(prompts):
@@ -281,7 +281,7 @@ async def generate(body: GenerateRequest, user: CurrentUser, session: SessionDep
         raise ApiError(ErrorCode.validation_error, f"n is at most {MAX_N}", param="sampling_params.n")
     top = sp.logprobs or 0
     sampling = sampling_params(sp, sp.max_tokens, top, prefix="sampling_params.")
-    await admit(state, session, user.id, model, sp.n)
+    await admit(state.settings, state.rate_limiter, session, user.id, model, sp.n)
     _chat, msgs = await store_raw(
         session,
         user.id,

@@ -95,7 +95,7 @@ _RETRY_HINT = b": a backing service is unavailable; reconnect\r\nretry: 1000\r\n
 
 
 async def message_events(state: AppState, msg: Message, after: int) -> AsyncIterator[ServerSentEvent | bytes]:
-    readers = state.hub.metrics.sse_readers
+    readers = state.metrics.sse_readers
     readers.inc()
     try:
         async for event in _message_events(state, msg, after):

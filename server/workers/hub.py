@@ -74,13 +74,14 @@ class WorkerHub:
         queue: WorkQueue,
         directory: WorkerDirectory,
         streams: TokenStreams,
+        metrics: Metrics,
     ) -> None:
         self.settings = settings
         self.sessions = sessions
         self.queue = queue
         self.directory = directory
         self.streams = streams
-        self.metrics = Metrics()
+        self.metrics = metrics
         self.store = WorkStore(sessions)
         self.connections: dict[str, WorkerConnection] = {}
         self.server_id = secrets.token_hex(4)
@@ -183,6 +184,14 @@ class WorkerHub:
                 await refuse(conn.ws, ErrorCode.invalid_worker_key, REVOKED, CLOSE_INVALID_KEY)
                 closed += 1
         return closed
+
+    def load(self) -> dict[str, tuple[int, int]]:
+        """Per model: the workers connected to this process and their free slots (credits)."""
+        local: dict[str, tuple[int, int]] = {}
+        for conn in list(self.connections.values()):
+            count, free = local.get(conn.hello.model_name, (0, 0))
+            local[conn.hello.model_name] = (count + 1, free + max(conn.credits, 0))
+        return local
 
     async def _receive(self, conn: WorkerConnection) -> None:
         while True:

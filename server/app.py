@@ -15,7 +15,6 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from server import migrate
-from server.admission import RateLimiter
 from server.api.admin import router as admin_router
 from server.api.auth import router as auth_router
 from server.api.chats import configs_router
@@ -25,6 +24,8 @@ from server.api.openai import router as openai_router
 from server.api.openai_completions import router as completions_router
 from server.api.tokenizer import router as tokenizer_router
 from server.auth import TokenSigner
+from server.chats.admission import RateLimiter
+from server.chats.catalog import Catalog
 from server.db import create_engine, create_session_factory, ping
 from server.metrics import Metrics
 from server.queue.protocol import WorkerDirectory, WorkQueue
@@ -115,7 +116,18 @@ def create_app(settings: ServerSettings) -> FastAPI:
             hub.rpc.relay = RedisRpcRelay(redis, hub.server_id)
         limiter = RateLimiter(settings.rate_limit_per_minute, settings.rate_limit_burst, redis)
         app.state.tt = AppState(
-            settings, engine, sessions, queue, directory, streams, signer, hub, redis, limiter, metrics
+            settings=settings,
+            engine=engine,
+            sessions=sessions,
+            queue=queue,
+            directory=directory,
+            streams=streams,
+            signer=signer,
+            hub=hub,
+            redis=redis,
+            rate_limiter=limiter,
+            metrics=metrics,
+            catalog=Catalog(directory, settings.model_grace_s),
         )
         hub.start()
         try:

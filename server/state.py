@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from server.admission import RateLimiter
 from server.auth import TokenSigner
+from server.chats.admission import RateLimiter
+from server.chats.catalog import Catalog
 from server.db import SessionFactory
 from server.metrics import Metrics
 from server.queue.protocol import WorkerDirectory, WorkQueue
@@ -35,8 +36,5 @@ class AppState:
     redis: Redis | None
     rate_limiter: RateLimiter
     metrics: Metrics
+    catalog: Catalog
     auth_cache: dict[str, tuple[float, User]] = field(default_factory=dict)  # token -> (expiry, user)
-    offered_cache: tuple[float, frozenset[str]] = (0.0, frozenset())  # (when, models offered then)
-    # model -> time.monotonic() this process last saw it offered: the grace period survives a Redis
-    # restart, which empties the shared directory until the workers' next heartbeats
-    models_seen: dict[str, float] = field(default_factory=dict)

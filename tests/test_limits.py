@@ -19,7 +19,7 @@ import httpx
 import pytest
 import websockets
 
-from server.admission import RateLimiter
+from server.chats.admission import RateLimiter
 from server.settings import ServerSettings
 from tests.stack import ServerThread, fake_hello, free_port, worker_key
 from tests.test_e2e_embedded import login
@@ -182,7 +182,7 @@ def test_tools_and_chat_size_are_capped(server: ServerThread, monkeypatch: pytes
     resp = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL, "messages": messages}, headers=headers)
     assert resp.status_code == 400 and "arguments" in resp.json()["error"]["message"], resp.text
 
-    import server.repository as repository
+    import server.chats.repository as repository
 
     monkeypatch.setattr(repository, "MAX_MESSAGES_PER_CHAT", 2)
     chat, prompt = new_turn(server.url, headers)  # message 1

@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import math
 import secrets
-import time
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request, Response
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.admission import admit
 from server.api.deps import RepoDep, StateDep
 from server.api.sse import message_events
+from server.chats.admission import admit
+from server.chats.repository import chat_to_list_read, message_to_read
 from server.errors import ApiError, is_unavailable
 from server.queue.protocol import QueueFull
-from server.repository import chat_to_list_read, message_to_read
 from shared.api import (
     MAX_CONTENT_CHARS,
     ChatListRead,
@@ -42,49 +40,9 @@ _DONE: dict[int | str, dict[str, object]] = {200: {"description": "Done; the bod
 configs_router = APIRouter(prefix="/configs", tags=["configs"])
 
 
-async def offered_models(state: StateDep) -> dict[str, ModelConfigRead]:
-    models: dict[str, ModelConfigRead] = {}
-    for w in await state.directory.workers():
-        if w.model_name in models:
-            models[w.model_name].workers += 1
-        else:
-            models[w.model_name] = ModelConfigRead(
-                name=w.model_name, compat_hash=w.compat_hash, engine=w.engine, max_context=w.max_context
-            )
-    return models
-
-
-_OFFERED_TTL_S = 1.0
-
-
-async def is_offered(state: StateDep, model: str) -> bool:
-    """Whether a connected worker offers ``model``, or one did within ``model_grace_s`` (a restart or
-    deploy: the request waits in the queue for the next worker; the sweep fails it if none comes).
-    A positive answer is reused for a second (every assistant message asks); a negative one is
-    always checked afresh, so a worker that just connected is seen at once."""
-    seen_at, names = state.offered_cache
-    if model in names and time.monotonic() - seen_at < _OFFERED_TTL_S:
-        return True
-    try:
-        names = frozenset(await offered_models(state))
-    except Exception as exc:  # Redis away: answer from what this process saw within the grace period
-        if not is_unavailable(exc):
-            raise
-        return time.monotonic() - state.models_seen.get(model, -math.inf) < state.settings.model_grace_s
-    now = time.monotonic()
-    state.offered_cache = (now, names)
-    state.models_seen.update(dict.fromkeys(names, now))
-    if model in names:
-        return True
-    grace = state.settings.model_grace_s
-    if now - state.models_seen.get(model, -grace) < grace:
-        return True
-    return model in await state.directory.recent_models(grace)
-
-
 @configs_router.get("/model_configs")
 async def model_configs(state: StateDep) -> list[ModelConfigRead]:
-    return sorted((await offered_models(state)).values(), key=lambda m: m.name)
+    return sorted((await state.catalog.offered()).values(), key=lambda m: m.name)
 
 
 @configs_router.get("/builtin_plugins")
@@ -175,7 +133,7 @@ async def create_assistant_message(
     chat_id: str, body: CreateAssistantMessageRequest, repo: RepoDep, state: StateDep
 ) -> MessageRead:
     await repo.get_chat(chat_id)  # 404 before 422 for an unknown chat
-    if not await is_offered(state, body.model_config_name):
+    if not await state.catalog.is_offered(body.model_config_name):
         raise ApiError(
             ErrorCode.unknown_model,
             f"no connected worker offers model {body.model_config_name!r}; see GET /configs/model_configs",

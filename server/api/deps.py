@@ -11,9 +11,9 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.auth import USER_KEY_PREFIX, hash_key
+from server.chats.repository import ChatRepository
 from server.errors import ApiError
 from server.models import ApiKey, User
-from server.repository import ChatRepository
 from server.state import AppState
 from shared.errors import ErrorCode
 

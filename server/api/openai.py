@@ -15,9 +15,8 @@ from typing import Any
 
 from fastapi import APIRouter, Response
 
-from server.admission import admit
-from server.api.chats import offered_models
 from server.api.deps import CurrentUser, SessionDep, StateDep
+from server.chats.admission import admit
 from server.errors import ApiError
 from server.openai.conversations import ConversationStore, parse_messages, seed_for
 from server.openai.follow import Finished, Progress, follow
@@ -60,7 +59,7 @@ router = APIRouter(tags=["openai"])
 
 @router.get("/v1/models")
 async def list_models(state: StateDep, _user: CurrentUser) -> dict[str, Any]:
-    models = sorted((await offered_models(state)).values(), key=lambda m: m.name)
+    models = sorted((await state.catalog.offered()).values(), key=lambda m: m.name)
     return {
         "object": "list",
         "data": [

@@ -17,8 +17,8 @@ from typing import Any
 
 from fastapi import APIRouter, Response
 
-from server.admission import admit
 from server.api.deps import CurrentUser, SessionDep, StateDep
+from server.chats.admission import admit
 from server.errors import ApiError
 from server.models import Message
 from server.openai.conversations import store_raw

@@ -16,9 +16,9 @@ import orjson
 from pydantic import BaseModel
 from sse_starlette import ServerSentEvent
 
+from server.chats.repository import message_to_read
 from server.errors import is_unavailable
 from server.models import Message, MessageTokens
-from server.repository import message_to_read
 from server.state import AppState
 from server.streams.protocol import StreamDone, StreamReset, TokenBatch
 from shared.api import FINISHED_STATES, MessageState

@@ -12,7 +12,6 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from server.api.chats import offered_models
 from server.api.deps import CurrentUser, StateDep
 from server.errors import ApiError
 from server.openai.handling import resolve_model, rpc_call
@@ -57,7 +56,7 @@ async def tokenize(body: TokenizeRequest, state: StateDep, _user: CurrentUser) -
         }
         result = await rpc_call(state, model, "render_chat", params)
     tokens = result.get("tokens") or []
-    offered = (await offered_models(state)).get(model)
+    offered = (await state.catalog.offered()).get(model)
     return {
         "count": len(tokens),
         "max_model_len": offered.max_context if offered else None,

@@ -37,9 +37,9 @@ from sqlalchemy import ARRAY, Select, String, Text, any_, bindparam, case, cast,
 from sqlalchemy.engine import Dialect
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from server.chats.repository import decode_stop_reason
 from server.db import SessionFactory
 from server.models import Chat, Message, MessageTokens
-from server.repository import decode_stop_reason
 from shared.api import MessageState
 from shared.rollout import SCHEMA_NAME, SCHEMA_VERSION, RewardRule, build_samples, sample_record
 

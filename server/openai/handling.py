@@ -11,7 +11,6 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
-from server.api.chats import is_offered, offered_models
 from server.errors import ApiError, is_unavailable
 from server.models import Message
 from server.openai.follow import Finished, Progress, follow
@@ -26,7 +25,7 @@ from shared.protocol import RpcMethod
 
 
 async def require_model(state: AppState, model: str) -> None:
-    if not await is_offered(state, model):
+    if not await state.catalog.is_offered(model):
         raise ApiError(
             ErrorCode.model_not_found,
             f"The model `{model}` does not exist or no worker serves it now; see GET /v1/models",
@@ -39,7 +38,7 @@ async def resolve_model(state: AppState, model: str | None) -> str:
     if model is not None:
         await require_model(state, model)
         return model
-    offered = sorted(await offered_models(state))
+    offered = sorted(await state.catalog.offered())
     if len(offered) == 1:
         return offered[0]
     raise ApiError(

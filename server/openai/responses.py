@@ -14,8 +14,8 @@ from typing import Any
 
 import orjson
 
+from server.chats.repository import decode_stop_reason
 from server.models import Message, MessageTokens
-from server.repository import decode_stop_reason
 from shared.packing import unpack_floats, unpack_ids
 
 # vLLM's stand-in for a -inf logprob (JSON has no infinities; SDKs expect a number)

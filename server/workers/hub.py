@@ -18,12 +18,12 @@ import time
 from fastapi import WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
+from server.chats.work_store import WorkStore
 from server.db import SessionFactory
 from server.metrics import Metrics, StreamTimer, seconds_since
 from server.queue.protocol import WorkerDirectory, WorkQueue
 from server.settings import ServerSettings
 from server.streams.protocol import StreamConflict, StreamDone, TokenBatch, TokenStreams
-from server.work_store import WorkStore
 from server.workers.connection import (
     CLOSE_BAD_FRAME,
     CLOSE_INVALID_KEY,

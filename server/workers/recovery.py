@@ -14,13 +14,13 @@ import time
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 
+from server.chats.work_store import WorkStore
 from server.errors import is_unavailable
 from server.metrics import Metrics
 from server.models import utcnow
 from server.queue.protocol import QueueFull, WorkerDirectory, WorkItem, WorkQueue
 from server.settings import ServerSettings
 from server.streams.protocol import StreamDone, TokenStreams
-from server.work_store import WorkStore
 from server.workers.connection import InFlight, WorkerConnection
 from shared.api import MessageState
 from shared.errors import ErrorCode

@@ -13,9 +13,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import aliased
 
+from server.chats.repository import decode_stop_reason, encode_stop_reason
 from server.db import SessionFactory
 from server.models import Chat, Message, MessageTokens, utcnow
-from server.repository import decode_stop_reason, encode_stop_reason
 from shared.api import FINISHED_STATES, MessageState, WorkParameters
 from shared.chain import chain_hash, normalized
 from shared.errors import ErrorCode

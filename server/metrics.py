@@ -10,6 +10,8 @@ series named ``tokentrail_cluster_*`` describe the whole cluster and are the sam
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -91,6 +93,15 @@ class Metrics:
         self.scrape_errors = Counter(
             "tokentrail_metrics_scrape_errors", "State reads that failed during a scrape", ["what"], registry=r
         )
+
+    @contextmanager
+    def sse_reader(self) -> Iterator[None]:
+        """Counts an open SSE event stream (either dialect) while it lasts."""
+        self.sse_readers.inc()
+        try:
+            yield
+        finally:
+            self.sse_readers.dec()
 
     async def render(
         self,

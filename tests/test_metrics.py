@@ -80,6 +80,27 @@ def test_metrics_follow_a_chat(embedded_stack: str) -> None:
     assert value(after, "tokentrail_cluster_queue_depth", model=MODEL) == 0
 
 
+def test_openai_streams_count_as_sse_readers(embedded_stack: str) -> None:
+    """Both dialects' event streams are counted (the OA events route above, OpenAI's streams here)."""
+    url = embedded_stack
+    headers = login(url, "metrics-openai-user")
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "go on"}],
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    during: dict[Any, float] = {}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=60) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: {") and not during:
+                during = scrape(url)
+    assert value(during, "tokentrail_sse_readers") >= 1
+    assert value(scrape(url), "tokentrail_sse_readers") == 0
+
+
 def test_the_grafana_dashboard_plots_metrics_the_server_exports(embedded_stack: str) -> None:
     import json
     import re

@@ -12,9 +12,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from server.api.deps import RepoDep, StateDep
 from server.api.sse import message_events
 from server.chats.admission import admit
+from server.chats.enqueue import enqueue
 from server.chats.repository import chat_to_list_read, message_to_read
-from server.errors import ApiError, is_unavailable
-from server.queue.protocol import QueueFull
+from server.errors import ApiError
 from shared.api import (
     MAX_CONTENT_CHARS,
     ChatListRead,
@@ -142,18 +142,7 @@ async def create_assistant_message(
     sampling = body.sampling_parameters
     seed = sampling.seed if sampling.seed is not None else secrets.randbelow(2**63)
     msg = await repo.add_assistant_message(chat_id, body.parent_id, body.model_config_name, sampling, seed)
-    try:
-        await state.queue.enqueue(body.model_config_name, msg.id, msg.attempt)
-    except QueueFull as exc:
-        await repo.discard_message(msg)  # a refused request leaves nothing behind
-        raise ApiError(
-            ErrorCode.queue_full, "the server is busy; try again later", headers={"Retry-After": "5"}
-        ) from exc
-    except Exception as exc:
-        if not is_unavailable(exc):
-            raise
-        # Redis away: the message is stored (pending); it is queued as soon as Redis answers again
-        state.hub.recovery.enqueue_later(body.model_config_name, msg.id, msg.attempt)
+    await enqueue(state, [msg])
     return message_to_read(msg)
 
 

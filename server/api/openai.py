@@ -17,13 +17,14 @@ from fastapi import APIRouter, Response
 
 from server.api.deps import CurrentUser, SessionDep, StateDep
 from server.chats.admission import admit
+from server.chats.enqueue import enqueue
+from server.chats.follow import Finished
 from server.errors import ApiError
 from server.openai.conversations import ConversationStore, parse_messages, seed_for
-from server.openai.follow import Finished, Progress, follow
+from server.openai.follow import Progress, follow
 from server.openai.handling import (
     Merge,
     collect,
-    enqueue,
     error_chunk,
     event_stream,
     failure,
@@ -142,7 +143,7 @@ async def _chat(
     ctx = _ChatContext(body, f"chatcmpl-{ids[0]}", created, cont.forked, request_info)
     if body.stream:
         chunks = Merge([ctx.choice_chunks(state, i, mid) for i, mid in enumerate(ids)])
-        return event_stream(ctx.stream(chunks))
+        return event_stream(ctx.stream(chunks), state.metrics)
     results = await asyncio.gather(*(collect(state, mid) for mid in ids))
     return Response(dumps(ctx.body(results)), media_type="application/json")
 

@@ -19,14 +19,15 @@ from fastapi import APIRouter, Response
 
 from server.api.deps import CurrentUser, SessionDep, StateDep
 from server.chats.admission import admit
+from server.chats.enqueue import enqueue
+from server.chats.follow import Finished
 from server.errors import ApiError
 from server.models import Message
 from server.openai.conversations import store_raw
-from server.openai.follow import Finished, Progress, follow
+from server.openai.follow import Progress, follow
 from server.openai.handling import (
     Merge,
     collect,
-    enqueue,
     error_chunk,
     event_stream,
     failure,
@@ -141,7 +142,7 @@ async def completions(body: CompletionRequest, user: CurrentUser, session: Sessi
     ctx = _CompletionContext(body, f"cmpl-{jobs[0].message_id}", int(time.time()), top)
     if body.stream:
         chunks = Merge([ctx.chunks(state, job) for job in jobs])
-        return event_stream(ctx.stream(chunks))
+        return event_stream(ctx.stream(chunks), state.metrics)
     results = await asyncio.gather(*(collect(state, job.message_id) for job in jobs))
     return Response(dumps(ctx.body(jobs, results)), media_type="application/json")
 
@@ -297,7 +298,9 @@ async def generate(body: GenerateRequest, user: CurrentUser, session: SessionDep
     request_id = body.request_id or f"gen-{msgs[0].id}"
     want_lps = sp.logprobs is not None
     if body.stream:
-        return event_stream(_generate_stream(state, body, request_id, [m.id for m in msgs], top, want_lps))
+        return event_stream(
+            _generate_stream(state, body, request_id, [m.id for m in msgs], top, want_lps), state.metrics
+        )
     results = await asyncio.gather(*(collect(state, m.id) for m in msgs))
     choices = []
     completion = 0

@@ -1,4 +1,4 @@
-"""Server-sent events of one assistant message (DESIGN D4, D8).
+"""Server-sent events of one assistant message (DESIGN D4, D8): OA's framing of ``chats.follow``.
 
 A reader follows the message's token stream from its read position (``Last-Event-ID`` = index of
 the last token it has) and ends with a ``message`` or ``error`` event. While the message waits
@@ -16,19 +16,17 @@ import orjson
 from pydantic import BaseModel
 from sse_starlette import ServerSentEvent
 
+from server.chats.follow import Waiting, follow
 from server.chats.repository import message_to_read
 from server.errors import is_unavailable
 from server.models import Message, MessageTokens
 from server.state import AppState
-from server.streams.protocol import StreamDone, StreamReset, TokenBatch
+from server.streams.protocol import StreamReset, TokenBatch
 from shared.api import FINISHED_STATES, MessageState
 from shared.events import ErrorEvent, MessageEvent, PendingEvent, ResetEvent
 from shared.packing import unpack_floats, unpack_ids
 
 log = logging.getLogger(__name__)
-
-# Re-check the database after this many empty waits (a safety net for streams that never end).
-_DB_RECHECK_EVERY = 5
 
 
 def _event(payload: BaseModel, event_id: int | None = None) -> ServerSentEvent:
@@ -95,18 +93,15 @@ _RETRY_HINT = b": a backing service is unavailable; reconnect\r\nretry: 1000\r\n
 
 
 async def message_events(state: AppState, msg: Message, after: int) -> AsyncIterator[ServerSentEvent | bytes]:
-    readers = state.metrics.sse_readers
-    readers.inc()
-    try:
-        async for event in _message_events(state, msg, after):
-            yield event
-    except Exception as exc:
-        if not is_unavailable(exc):
-            raise
-        log.warning("events of %s: %r; the reader is told to reconnect", msg.id, exc)
-        yield _RETRY_HINT
-    finally:
-        readers.dec()
+    with state.metrics.sse_reader():
+        try:
+            async for event in _message_events(state, msg, after):
+                yield event
+        except Exception as exc:
+            if not is_unavailable(exc):
+                raise
+            log.warning("events of %s: %r; the reader is told to reconnect", msg.id, exc)
+            yield _RETRY_HINT
 
 
 async def _message_events(state: AppState, msg: Message, after: int) -> AsyncIterator[ServerSentEvent | bytes]:
@@ -115,41 +110,22 @@ async def _message_events(state: AppState, msg: Message, after: int) -> AsyncIte
             yield ev
         return
     seen_tokens = after >= 0
-    empty_waits = 0
     model = msg.model_config_name or ""
     if not seen_tokens:
         pos, size = await state.queue.position(model, msg.id)
         yield _event(PendingEvent(queue_position=pos, queue_size=size))
-    while True:
-        entries = await state.streams.read(msg.id, after, timeout_s=state.settings.pending_event_interval_s)
-        if not entries:
-            empty_waits += 1
-            recheck = empty_waits % _DB_RECHECK_EVERY == 0
-            if recheck and await _finished_in_db(state, msg.id) and not await state.streams.exists(msg.id):
-                for ev in await _final_events(state, msg.id, after):
-                    yield ev
-                return
+    async for item in follow(state, msg.id, after):
+        if isinstance(item, TokenBatch):
+            yield _token_events(item, after)
+            after = item.end - 1
+            seen_tokens = True
+        elif isinstance(item, StreamReset):
+            after = item.from_index - 1
+            yield _event(ResetEvent(from_index=item.from_index))
+        elif isinstance(item, Waiting):
             if not seen_tokens:
                 pos, size = await state.queue.position(model, msg.id)
                 yield _event(PendingEvent(queue_position=pos, queue_size=size))
-            continue
-        for entry in entries:
-            if isinstance(entry, TokenBatch):
-                chunk = _token_events(entry, after)
-                if chunk:
-                    yield chunk
-                after = max(after, entry.end - 1)
-                seen_tokens = True
-            elif isinstance(entry, StreamReset):
-                after = entry.from_index - 1
-                yield _event(ResetEvent(from_index=entry.from_index))
-            elif isinstance(entry, StreamDone):
-                for ev in await _final_events(state, msg.id, after, replay=False):
-                    yield ev
-                return
-
-
-async def _finished_in_db(state: AppState, message_id: str) -> bool:
-    async with state.sessions() as s:
-        msg = await s.get(Message, message_id)
-    return msg is None or msg.state in FINISHED_STATES
+        else:
+            for ev in await _final_events(state, msg.id, after, replay=item.replay):
+                yield ev

@@ -78,6 +78,22 @@ def message_to_read(msg: Message, tokens: MessageTokens | None = None) -> Messag
     return read
 
 
+def pending_assistant(chat_id: str, parent_id: str, work: WorkParameters) -> Message:
+    """An assistant message to generate, as every front door stores one (enqueued after commit:
+    ``server.chats.enqueue``). The work parameters are stored whole, nulls included, so that exports
+    read one shape."""
+    return Message(
+        id=new_id(),
+        chat_id=chat_id,
+        parent_id=parent_id,
+        role="assistant",
+        state=MessageState.pending.value,
+        model_config_name=work.model_config_name,
+        work_parameters=work.model_dump(mode="json"),
+        attempt=1,
+    )
+
+
 def encode_stop_reason(value: int | str | None) -> str | None:
     if value is None:
         return None
@@ -198,15 +214,7 @@ class ChatRepository:
             system_prompt=chat.system_prompt,
             tools=chat.tools,
         )
-        msg = Message(
-            chat_id=chat.id,
-            parent_id=parent.id,
-            role="assistant",
-            state=MessageState.pending,
-            model_config_name=model_config_name,
-            work_parameters=work.model_dump(mode="json"),
-            attempt=1,
-        )
+        msg = pending_assistant(chat.id, parent.id, work)
         await self._add(chat, msg)
         return msg
 
@@ -297,14 +305,6 @@ class ChatRepository:
 
     async def hide_all_chats(self) -> None:
         await self.session.execute(update(Chat).where(Chat.user_id == self.user.id).values(hidden=True))
-        await self.session.commit()
-
-    async def discard_message(self, msg: Message) -> None:
-        """Delete a message that was never queued (a refused request); its parent is the tail again."""
-        chat = await self.get_chat(msg.chat_id)
-        if chat.active_thread_tail_message_id == msg.id:
-            chat.active_thread_tail_message_id = msg.parent_id
-        await self.session.delete(msg)
         await self.session.commit()
 
     async def _add(self, chat: Chat, msg: Message) -> None:

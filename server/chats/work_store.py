@@ -174,12 +174,14 @@ class WorkStore:
         return state is None or state == MessageState.cancelled.value
 
     async def discard(self, message_ids: list[str]) -> None:
-        """Delete assistant messages that were never queued (their request was refused)."""
+        """Delete assistant messages that were never queued (their request was refused); a chat whose
+        tail one was gets its parent back as the tail."""
+        parent = select(Message.parent_id).where(Message.id == Chat.active_thread_tail_message_id).scalar_subquery()
         async with self.sessions() as s, s.begin():
             await s.execute(
                 update(Chat)
                 .where(Chat.active_thread_tail_message_id.in_(message_ids))
-                .values(active_thread_tail_message_id=None)
+                .values(active_thread_tail_message_id=parent)
             )
             await s.execute(
                 delete(Message).where(Message.id.in_(message_ids), Message.state == MessageState.pending.value)

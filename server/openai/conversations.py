@@ -25,6 +25,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from server.chats.repository import pending_assistant
 from server.errors import ApiError
 from server.models import Chat, Message, new_id, utcnow
 from shared.api import MAX_CONTENT_CHARS, MAX_TOOL_ARGUMENTS_CHARS, MessageState, SamplingParameters, WorkParameters
@@ -284,21 +285,8 @@ def pending_assistants(
     """``n`` sibling assistant messages to generate, seeded ``seed``, ``seed + 1``... (a random
     base seed when the request gives none)."""
     base_seed = sampling.seed if sampling.seed is not None else secrets.randbelow(2**62)
-    out = []
-    for i in range(n):
-        params = work((base_seed + i) % 2**63)
-        msg = Message(
-            id=new_id(),
-            chat_id=chat_id,
-            parent_id=parent_id,
-            role="assistant",
-            state=MessageState.pending.value,
-            model_config_name=params.model_config_name,
-            work_parameters=params.model_dump(mode="json", exclude_none=True),
-            attempt=1,
-        )
-        session.add(msg)
-        out.append(msg)
+    out = [pending_assistant(chat_id, parent_id, work((base_seed + i) % 2**63)) for i in range(n)]
+    session.add_all(out)
     return out
 
 

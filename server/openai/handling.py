@@ -11,11 +11,12 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
-from server.errors import ApiError, is_unavailable
+from server.chats.follow import Finished
+from server.errors import ApiError
+from server.metrics import Metrics
 from server.models import Message
-from server.openai.follow import Finished, Progress, follow
+from server.openai.follow import Progress, follow
 from server.openai.responses import sse
-from server.queue.protocol import QueueFull
 from server.state import AppState
 from server.workers.rpc import RpcFailed, RpcUnavailable
 from shared.api import MAX_NEW_TOKENS_LIMIT, SamplingParameters
@@ -96,22 +97,6 @@ def sampling_params(
         raise ApiError(ErrorCode.validation_error, f"{param}: {err.get('msg')}", param=param, status_code=400) from exc
 
 
-async def enqueue(state: AppState, messages: list[Message]) -> None:
-    for k, msg in enumerate(messages):
-        try:
-            await state.queue.enqueue(msg.model_config_name or "", msg.id, msg.attempt)
-        except QueueFull as exc:
-            await state.hub.store.discard([m.id for m in messages[k:]])  # a refused request leaves no rows
-            raise ApiError(
-                ErrorCode.queue_full, "the server is busy; try again later", headers={"Retry-After": "5"}
-            ) from exc
-        except Exception as exc:
-            if not is_unavailable(exc):
-                raise
-            # Redis away: the message is stored (pending) and queued as soon as Redis answers again
-            state.hub.recovery.enqueue_later(msg.model_config_name or "", msg.id, msg.attempt)
-
-
 async def collect(state: AppState, message_id: str) -> tuple[Finished, Progress]:
     progress = Progress()
     done: Finished | None = None
@@ -174,7 +159,13 @@ class Merge:
                     await t
 
 
-def event_stream(chunks: AsyncIterator[bytes]) -> StreamingResponse:
-    """Pre-encoded SSE chunks as a response that proxies must not buffer."""
+def event_stream(chunks: AsyncIterator[bytes], metrics: Metrics) -> StreamingResponse:
+    """Pre-encoded SSE chunks as a response that proxies must not buffer, counted as an SSE reader."""
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
+    return StreamingResponse(_counted(chunks, metrics), media_type="text/event-stream", headers=headers)
+
+
+async def _counted(chunks: AsyncIterator[bytes], metrics: Metrics) -> AsyncIterator[bytes]:
+    with metrics.sse_reader():
+        async for chunk in chunks:
+            yield chunk

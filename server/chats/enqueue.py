@@ -1,0 +1,31 @@
+"""Enqueue after commit (DESIGN §3, step 2): the one way every front door hands stored pending
+assistant messages to the work queue.
+
+A full queue refuses the request: the messages not queued are deleted (a refused request leaves
+nothing behind) and the client gets 503 ``queue_full`` with Retry-After. With Redis away the messages
+stay pending in SQL and are queued in the background once it answers (the sweep is the backstop).
+"""
+
+from __future__ import annotations
+
+from server.errors import ApiError, is_unavailable
+from server.models import Message
+from server.queue.protocol import QueueFull
+from server.state import AppState
+from shared.errors import ErrorCode
+
+
+async def enqueue(state: AppState, messages: list[Message]) -> None:
+    for k, msg in enumerate(messages):
+        model = msg.model_config_name or ""
+        try:
+            await state.queue.enqueue(model, msg.id, msg.attempt)
+        except QueueFull as exc:
+            await state.hub.store.discard([m.id for m in messages[k:]])
+            raise ApiError(
+                ErrorCode.queue_full, "the server is busy; try again later", headers={"Retry-After": "5"}
+            ) from exc
+        except Exception as exc:
+            if not is_unavailable(exc):
+                raise
+            state.hub.recovery.enqueue_later(model, msg.id, msg.attempt)

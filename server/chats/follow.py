@@ -1,0 +1,113 @@
+"""Following one assistant message's generation (DESIGN D4): the one loop every front door frames its
+events on (OA's SSE events, OpenAI's chunks).
+
+``follow`` reads the message's token stream from a read position and yields each new token batch once
+(only the part after the position: a redelivered batch straddles it), a ``StreamReset`` when a retry
+rewound the stream, ``Waiting`` after each empty wait, and ``Ended`` last: the stream reached its done
+entry, or the message ended in SQL (or was deleted) while its stream is absent (expired, lost with a
+Redis restart, or never written). The reader then finishes from SQL, which holds every stored token
+(``load``, or a dialect's own replay).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from server.models import Message, MessageTokens
+from server.state import AppState
+from server.streams.protocol import StreamDone, StreamReset, TokenBatch
+from shared.api import FINISHED_STATES
+
+# Empty waits between checks that the message has not ended unseen (a safety net for streams that
+# never end); rare enough that a long queue of readers costs SQL little.
+_DB_RECHECK_EVERY = 5
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """Nothing new arrived within ``pending_event_interval_s``."""
+
+
+@dataclass(frozen=True)
+class Ended:
+    """The generation is over. ``replay``: the stream did not reach its done entry, so tokens after the
+    read position may exist in SQL only."""
+
+    replay: bool
+
+
+@dataclass
+class Finished:
+    """The message and its token row as stored (``tokens`` is None for a message that failed)."""
+
+    message: Message
+    tokens: MessageTokens | None
+
+
+async def follow(
+    state: AppState, message_id: str, after: int = -1
+) -> AsyncIterator[TokenBatch | StreamReset | Waiting | Ended]:
+    """The new token batches after index ``after``, resets and empty waits, then ``Ended``."""
+    empty = 0
+    while True:
+        entries = await state.streams.read(message_id, after, timeout_s=state.settings.pending_event_interval_s)
+        if not entries:
+            empty += 1
+            if (
+                empty % _DB_RECHECK_EVERY == 0
+                and await _ended_in_db(state, message_id)
+                and not await state.streams.exists(message_id)
+            ):
+                yield Ended(replay=True)
+                return
+            yield Waiting()
+            continue
+        for entry in entries:
+            if isinstance(entry, TokenBatch):
+                part = _new_part(entry, after)
+                if part is not None:
+                    after = part.end - 1
+                    yield part
+            elif isinstance(entry, StreamReset):
+                after = entry.from_index - 1
+                yield entry
+            elif isinstance(entry, StreamDone):
+                yield Ended(replay=False)
+                return
+
+
+async def load(state: AppState, message_id: str) -> Finished | None:
+    """The message as stored, detached from its session; None if it was deleted."""
+    async with state.sessions() as s:
+        msg = await s.get(Message, message_id)
+        if msg is None:
+            return None
+        tokens = await s.get(MessageTokens, message_id)
+        s.expunge_all()
+    return Finished(msg, tokens)
+
+
+async def _ended_in_db(state: AppState, message_id: str) -> bool:
+    async with state.sessions() as s:
+        msg = await s.get(Message, message_id)
+    return msg is None or msg.state in FINISHED_STATES
+
+
+def _new_part(batch: TokenBatch, after: int) -> TokenBatch | None:
+    """The tokens of ``batch`` after index ``after`` (a redelivered batch straddles it)."""
+    skip = max(0, after + 1 - batch.start)
+    if skip >= len(batch.token_ids):
+        return None
+    if skip == 0:
+        return batch
+    top = batch.top_logprobs[skip:] if batch.top_logprobs is not None else None
+    return TokenBatch(
+        batch.start + skip,
+        batch.token_ids[skip:],
+        batch.logprobs[skip:],
+        batch.texts[skip:],
+        batch.channels[skip:],
+        top,
+        None,
+    )

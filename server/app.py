@@ -20,7 +20,7 @@ from server.api.auth import router as auth_router
 from server.api.chats import configs_router
 from server.api.chats import router as chats_router
 from server.api.deps import StateDep
-from server.api.openai import router as openai_router
+from server.api.openai_chat import router as openai_router
 from server.api.openai_completions import router as completions_router
 from server.api.tokenizer import router as tokenizer_router
 from server.auth import TokenSigner

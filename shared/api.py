@@ -142,7 +142,7 @@ class MessageRead(BaseModel):
     num_cached_tokens: int | None = None  # prompt tokens the engine served from its prefix cache, if reported
 
 
-def _check_tools(tools: list[ToolSchema] | None) -> list[ToolSchema] | None:
+def check_tools(tools: list[ToolSchema] | None) -> list[ToolSchema] | None:
     if tools is None:
         return None
     if len(tools) > MAX_TOOLS:
@@ -165,7 +165,7 @@ class CreateChatRequest(BaseModel):
     system_prompt: Annotated[str, Field(max_length=MAX_SYSTEM_PROMPT_CHARS)] | None = None
     tools: list[ToolSchema] | None = None
 
-    _tools = field_validator("tools")(_check_tools)
+    _tools = field_validator("tools")(check_tools)
 
 
 class ChatListRead(BaseModel):
@@ -210,7 +210,7 @@ class ChatUpdateRequest(BaseModel):
     system_prompt: Annotated[str, Field(max_length=MAX_SYSTEM_PROMPT_CHARS)] | None = None
     tools: list[ToolSchema] | None = None
 
-    _tools = field_validator("tools")(_check_tools)
+    _tools = field_validator("tools")(check_tools)
 
 
 class CreateAssistantMessageRequest(BaseModel):

@@ -23,32 +23,21 @@ from server.chats.enqueue import enqueue
 from server.chats.follow import Finished
 from server.errors import ApiError
 from server.models import Message
+from server.openai.choices import Progress, collect, follow
 from server.openai.conversations import store_raw
-from server.openai.follow import Progress, follow
-from server.openai.handling import (
-    Merge,
-    collect,
-    error_chunk,
-    event_stream,
-    failure,
-    require_model,
-    resolve_model,
-    rpc_call,
-    sampling_params,
-    unsupported,
-)
-from server.openai.responses import (
-    SSE_DONE,
+from server.openai.params import require_model, resolve_model, rpc_call, sampling_params, unsupported
+from server.openai.render import (
     dumps,
+    failure,
     finite,
     logprob_entries,
-    sse,
     stop_reason,
     stored_logprobs,
     token_texts,
     tokentrail_info,
     usage,
 )
+from server.openai.streaming import SSE_DONE, Merge, error_chunk, event_stream, sse
 from server.state import AppState
 from server.streams.protocol import StreamReset, TokenBatch
 from shared.api import MessageState

@@ -14,7 +14,7 @@ from fastapi import APIRouter
 
 from server.api.deps import CurrentUser, StateDep
 from server.errors import ApiError
-from server.openai.handling import resolve_model, rpc_call
+from server.openai.params import resolve_model, rpc_call
 from shared.api import MAX_TOOLS
 from shared.errors import ErrorCode
 from shared.openai_api import MAX_MESSAGES, DetokenizeRequest, TokenizeRequest

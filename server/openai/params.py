@@ -1,22 +1,14 @@
-"""Request handling the OpenAI-compatible routes share: model checks, sampling parameters, queueing,
-following generations to their stored end, and errors as OpenAI shapes them."""
+"""The request side of the OpenAI-compatible routes: the model asked for, tokentrail's sampling
+parameters from OpenAI's and vLLM's knobs, parameters refused as OpenAI refuses them, and tokenizer
+calls answered by a worker."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
-from server.chats.follow import Finished
 from server.errors import ApiError
-from server.metrics import Metrics
-from server.models import Message
-from server.openai.follow import Progress, follow
-from server.openai.responses import sse
 from server.state import AppState
 from server.workers.rpc import RpcFailed, RpcUnavailable
 from shared.api import MAX_NEW_TOKENS_LIMIT, SamplingParameters
@@ -95,77 +87,3 @@ def sampling_params(
         err = exc.errors()[0]
         param = prefix + ".".join(str(p) for p in err.get("loc", ())) or None
         raise ApiError(ErrorCode.validation_error, f"{param}: {err.get('msg')}", param=param, status_code=400) from exc
-
-
-async def collect(state: AppState, message_id: str) -> tuple[Finished, Progress]:
-    progress = Progress()
-    done: Finished | None = None
-    async for item in follow(state, message_id, progress):
-        if isinstance(item, Finished):
-            done = item
-    if done is None:
-        raise ApiError(ErrorCode.message_not_found, f"message {message_id} was deleted while generating")
-    return done, progress
-
-
-def failure(msg: Message) -> ApiError:
-    try:
-        code = ErrorCode(msg.error_code or ErrorCode.engine_error.value)
-    except ValueError:
-        code = ErrorCode.engine_error
-    status = 400 if code in (ErrorCode.context_overflow, ErrorCode.bad_request) else None
-    return ApiError(code, msg.error or f"generation ended {msg.state}", status_code=status)
-
-
-def error_chunk(msg: Message) -> bytes:
-    exc = failure(msg)
-    return sse({"error": {"message": exc.detail, "type": "server_error", "param": None, "code": exc.code.value}})
-
-
-class Merge:
-    """Interleaves the chunk streams of n choices as they come."""
-
-    def __init__(self, sources: list[AsyncIterator[bytes]]) -> None:
-        self.sources = sources
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        if len(self.sources) == 1:
-            async for chunk in self.sources[0]:
-                yield chunk
-            return
-        queue: asyncio.Queue[bytes | None] = asyncio.Queue()
-
-        async def pump(source: AsyncIterator[bytes]) -> None:
-            try:
-                async for chunk in source:
-                    await queue.put(chunk)
-            finally:
-                await queue.put(None)
-
-        tasks = [asyncio.create_task(pump(s)) for s in self.sources]
-        try:
-            left = len(tasks)
-            while left:
-                item = await queue.get()
-                if item is None:
-                    left -= 1
-                else:
-                    yield item
-        finally:
-            for t in tasks:
-                t.cancel()
-            for t in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await t
-
-
-def event_stream(chunks: AsyncIterator[bytes], metrics: Metrics) -> StreamingResponse:
-    """Pre-encoded SSE chunks as a response that proxies must not buffer, counted as an SSE reader."""
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(_counted(chunks, metrics), media_type="text/event-stream", headers=headers)
-
-
-async def _counted(chunks: AsyncIterator[bytes], metrics: Metrics) -> AsyncIterator[bytes]:
-    with metrics.sse_reader():
-        async for chunk in chunks:
-            yield chunk

@@ -1,5 +1,6 @@
-"""OpenAI's view of a generation: ``follow`` (``chats.follow``) with what the stream delivered recorded
-in ``Progress`` (top logprobs ride only on the stream), then ``Finished`` with the stored record.
+"""One choice of an OpenAI request, i.e. one generated assistant message: followed (``chats.follow``)
+with what the stream delivered recorded in ``Progress`` (top logprobs ride only on the stream), then
+``Finished`` with the stored record; or collected to that end for a response that does not stream.
 When the stream is gone (expired, or the message finished before anyone read it) the stored record
 alone answers.
 """
@@ -9,10 +10,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from server.chats import follow as chats
-from server.chats.follow import Finished
+from server.chats.follow import Ended, Finished, load
+from server.chats.follow import follow as follow_message
+from server.errors import ApiError
 from server.state import AppState
 from server.streams.protocol import StreamReset, TokenBatch
+from shared.errors import ErrorCode
 
 
 @dataclass
@@ -40,14 +43,25 @@ async def follow(
 ) -> AsyncIterator[TokenBatch | StreamReset | Finished]:
     """New token batches (also recorded in ``progress``), resets, and finally ``Finished`` (nothing
     when the message was deleted)."""
-    async for item in chats.follow(state, message_id):
+    async for item in follow_message(state, message_id):
         if isinstance(item, TokenBatch):
             progress.add(item)
             yield item
         elif isinstance(item, StreamReset):
             progress.rewind(item.from_index)
             yield item
-        elif isinstance(item, chats.Ended):
-            done = await chats.load(state, message_id)
+        elif isinstance(item, Ended):
+            done = await load(state, message_id)
             if done is not None:
                 yield done
+
+
+async def collect(state: AppState, message_id: str) -> tuple[Finished, Progress]:
+    progress = Progress()
+    done: Finished | None = None
+    async for item in follow(state, message_id, progress):
+        if isinstance(item, Finished):
+            done = item
+    if done is None:
+        raise ApiError(ErrorCode.message_not_found, f"message {message_id} was deleted while generating")
+    return done, progress

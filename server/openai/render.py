@@ -1,4 +1,4 @@
-"""OpenAI response bodies and stream chunks built from stored messages and token batches.
+"""OpenAI response bodies, stream chunk pieces and errors built from stored messages and token batches.
 
 Token ids ride on every response the way vLLM's ``return_token_ids`` shapes them: ``prompt_token_ids``
 at the top (chat) or per choice (text completions), ``token_ids`` per choice, and in streams the prompt
@@ -15,7 +15,9 @@ from typing import Any
 import orjson
 
 from server.chats.repository import decode_stop_reason
+from server.errors import ApiError
 from server.models import Message, MessageTokens
+from shared.errors import ErrorCode
 from shared.packing import unpack_floats, unpack_ids
 
 # vLLM's stand-in for a -inf logprob (JSON has no infinities; SDKs expect a number)
@@ -24,13 +26,6 @@ MIN_LOGPROB = -9999.0
 
 def dumps(body: Any) -> bytes:
     return orjson.dumps(body)
-
-
-def sse(body: Any) -> bytes:
-    return b"data: " + orjson.dumps(body) + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
 
 
 def finite(lp: float | None) -> float:
@@ -123,3 +118,13 @@ def usage(prompt: int, completion: int, cached: int | None) -> dict[str, Any]:
 
 def stop_reason(tokens: MessageTokens | None) -> int | str | None:
     return decode_stop_reason(tokens.stop_reason) if tokens is not None else None
+
+
+def failure(msg: Message) -> ApiError:
+    """The error a message that did not complete answers with."""
+    try:
+        code = ErrorCode(msg.error_code or ErrorCode.engine_error.value)
+    except ValueError:
+        code = ErrorCode.engine_error
+    status = 400 if code in (ErrorCode.context_overflow, ErrorCode.bad_request) else None
+    return ApiError(code, msg.error or f"generation ended {msg.state}", status_code=status)

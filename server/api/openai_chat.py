@@ -20,34 +20,25 @@ from server.chats.admission import admit
 from server.chats.enqueue import enqueue
 from server.chats.follow import Finished
 from server.errors import ApiError
+from server.openai.choices import Progress, collect, follow
 from server.openai.conversations import ConversationStore, parse_messages, seed_for
-from server.openai.follow import Progress, follow
-from server.openai.handling import (
-    Merge,
-    collect,
-    error_chunk,
-    event_stream,
-    failure,
-    require_model,
-    sampling_params,
-    unsupported,
-)
-from server.openai.responses import (
-    SSE_DONE,
+from server.openai.params import require_model, sampling_params, unsupported
+from server.openai.render import (
     assistant_message,
     dumps,
+    failure,
     finish_reason,
     logprob_entries,
-    sse,
     stop_reason,
     stored_logprobs,
     token_texts,
     tokentrail_info,
     usage,
 )
+from server.openai.streaming import SSE_DONE, Merge, error_chunk, event_stream, sse
 from server.state import AppState
 from server.streams.protocol import StreamReset, TokenBatch
-from shared.api import MessageState, _check_tools
+from shared.api import MessageState, check_tools
 from shared.errors import ErrorCode
 from shared.openai_api import (
     ChatCompletionRequest,
@@ -106,7 +97,7 @@ async def _chat(
     if body.top_logprobs and not body.logprobs:
         raise ApiError(ErrorCode.validation_error, "top_logprobs needs logprobs: true", param="top_logprobs")
     try:
-        tools = _check_tools(body.tools) or None
+        tools = check_tools(body.tools) or None
     except ValueError as exc:
         raise ApiError(ErrorCode.validation_error, str(exc), param="tools", status_code=400) from exc
     conv = parse_messages(body.messages)

@@ -16,3 +16,12 @@ TOKEN_STREAM = PREFIX + "tokens:{message_id}"
 # Models offered by connected workers: hash field per worker, refreshed by heartbeats.
 WORKER_DIRECTORY = PREFIX + "workers"
 MODELS_SEEN = PREFIX + "models_seen"  # model -> wall-clock time a worker last offered it
+# A user's rate-limit state (GCRA theoretical arrival time, ms), shared by every server process.
+RATE_LIMIT = PREFIX + "rate:{user_id}"
+# Relayed tokenizer calls and cancels: one request list per server process, one reply list per call.
+# Their prefix predates PREFIX; renaming it would break a rolling deploy (old and new processes must
+# find each other's lists), so it stays until a release that restarts every replica.
+RPC_REQUESTS = "tokentrail:rpc:{server_id}"
+RPC_REPLY = "tokentrail:rpc-reply:{call_id}"
+# The wake-up stream of one token-stream multiplexer (server/streams/redis_mux.py).
+STREAM_WAKE = "tokentrail:stream-wake:{mux_id}"

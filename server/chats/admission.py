@@ -21,6 +21,7 @@ from redis.exceptions import RedisError
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from server.constants import RATE_LIMIT
 from server.errors import ApiError
 from server.models import Chat, Message
 from server.settings import ServerSettings
@@ -70,7 +71,9 @@ class RateLimiter:
         cost = min(cost, self.burst)  # a request larger than the burst takes all of it, not forever
         if self._script is not None:
             try:
-                wait = await self._script(keys=[f"tt:rate:{user_id}"], args=[self.interval_ms, self.tolerance_ms, cost])
+                wait = await self._script(
+                    keys=[RATE_LIMIT.format(user_id=user_id)], args=[self.interval_ms, self.tolerance_ms, cost]
+                )
             except RedisError as exc:  # Redis away: admit (fail open) rather than refuse everyone
                 log.warning("rate limit not checked: %r", exc)
                 return 0.0

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from server.constants import STREAM_WAKE
 from server.queue.redis import text
 
 if TYPE_CHECKING:
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _IDLE_DROP_S = 5.0  # a stream no reader asked for in this long is no longer read
-_WAKE_KEY = "tokentrail:stream-wake:{}"
 
 
 def _end(entry_id: str) -> int:
@@ -57,7 +57,7 @@ class StreamMux:
     def __init__(self, redis: Redis, block_s: float) -> None:
         self.redis = redis
         self.block_s = block_s
-        self.wake_key = _WAKE_KEY.format(secrets.token_hex(8))
+        self.wake_key = STREAM_WAKE.format(mux_id=secrets.token_hex(8))
         self._wake_id = "0-0"
         self._watches: dict[str, _Watch] = {}
         self._reading: set[str] = set()  # streams of the XREAD in flight

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from server.constants import RPC_REPLY, RPC_REQUESTS
 from server.queue.redis import max_block_s
 
 if TYPE_CHECKING:
@@ -26,8 +27,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_REQUESTS = "tokentrail:rpc:{}"  # one list per server process
-_REPLY = "tokentrail:rpc-reply:{}"  # one list per call
 _EXPIRE_S = 60
 _STOP = b"stop"  # pushed onto a process's own request list to end its loop
 
@@ -68,7 +67,7 @@ class RedisRpcRelay:
             # cancel it mid-command: redis-py can hang tearing down a cancelled blocking read.
             self._stopping = True
             with contextlib.suppress(Exception):
-                await self.redis.rpush(_REQUESTS.format(self.server_id), _STOP)
+                await self.redis.rpush(RPC_REQUESTS.format(server_id=self.server_id), _STOP)
             try:
                 await asyncio.wait_for(asyncio.shield(task), timeout=self._block_s + 2)
             except (TimeoutError, Exception):
@@ -76,7 +75,7 @@ class RedisRpcRelay:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
             with contextlib.suppress(Exception):
-                await self.redis.delete(_REQUESTS.format(self.server_id))
+                await self.redis.delete(RPC_REQUESTS.format(server_id=self.server_id))
         for t in calls:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
@@ -86,7 +85,7 @@ class RedisRpcRelay:
     ) -> dict[str, Any]:
         call_id = secrets.token_hex(12)
         body = orjson.dumps({"id": call_id, "model": model, "method": method, "params": params})
-        key = _REQUESTS.format(server_id)
+        key = RPC_REQUESTS.format(server_id=server_id)
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.rpush(key, body)
             pipe.expire(key, _EXPIRE_S)
@@ -97,14 +96,16 @@ class RedisRpcRelay:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RelayTimeout(f"server {server_id} did not answer within {timeout_s:.0f}s")
-            reply = await self.redis.blpop([_REPLY.format(call_id)], timeout=max(1, min(self._block_s, round(left))))
+            reply = await self.redis.blpop(
+                [RPC_REPLY.format(call_id=call_id)], timeout=max(1, min(self._block_s, round(left)))
+            )
         answer = orjson.loads(reply[1])
         if "result" in answer:
             return dict(answer["result"])
         raise RelayError(str(answer.get("code")), str(answer.get("message")))
 
     async def _serve(self, handler: Handler) -> None:
-        key = _REQUESTS.format(self.server_id)
+        key = RPC_REQUESTS.format(server_id=self.server_id)
         while not self._stopping:
             try:
                 item = await self.redis.blpop([key], timeout=self._block_s)
@@ -127,7 +128,7 @@ class RedisRpcRelay:
             answer = {"code": exc.code, "message": str(exc)}
         except Exception as exc:
             answer = {"code": "engine_error", "message": f"{type(exc).__name__}: {exc}"}
-        key = _REPLY.format(call["id"])
+        key = RPC_REPLY.format(call_id=call["id"])
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.rpush(key, orjson.dumps(answer))

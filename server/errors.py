@@ -1,8 +1,28 @@
-"""The server's exception tree and its mapping to HTTP error bodies.
+"""The server's exceptions and their mapping to HTTP error bodies.
+
+What reaches a client, in OA's shape (OpenAI's, ``{"error": {...}}``, on the OpenAI paths):
 
 ApiError(code, detail)            -> {"detail": ..., "code": ...} with HTTP_STATUS[code]
-RequestValidationError (FastAPI)  -> 422 {"detail": [...], "code": "validation_error"}
+RequestValidationError (FastAPI)  -> 422 {"detail": [...], "code": "validation_error"} (OpenAI: 400)
+is_unavailable(exc): DB or Redis  -> 503 {"code": "not_ready"} with Retry-After
 anything else                     -> 500 {"detail": "internal error", "code": "internal_error"}
+
+The internal exceptions, each defined next to its use, and where each ends up:
+
+* ApiError (here) - an answer to the client, raised anywhere below a route.
+* QueueFull (queue/protocol.py) - a model's queue is full.
+    chats/enqueue.py: the request's messages are discarded -> ApiError(queue_full), 503 + Retry-After.
+    workers/recovery.py: a background enqueue gives up (the sweep takes the message over).
+* StreamConflict (streams/protocol.py) - a token batch not at the stream's length, or after its end.
+    workers/hub.py: the batch is dropped (logged); the finished record fills the stream.
+* RpcUnavailable (workers/rpc.py) - no worker that answers tokenizer calls can be reached.
+    openai/params.py: -> ApiError(no_worker), 503 + Retry-After.
+* RpcFailed(code) (workers/rpc.py) - a worker answered a tokenizer call with an error.
+    openai/params.py: -> ApiError(code), engine_error for a code the server does not know.
+* RelayError(code) (workers/relay.py) - another server process answered a relayed call with an error.
+    workers/rpc.py: no_worker -> RpcUnavailable, else -> RpcFailed(code); a relayed cancel -> not sent.
+* RelayTimeout (workers/relay.py) - another server process did not answer a relayed call in time.
+    workers/rpc.py: -> RpcUnavailable; a relayed cancel -> not sent (the hub ends the stream itself).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ class ServerSettings(BaseSettings):
     migrate_on_start: bool | None = None  # None: only in embedded mode
 
     max_queue_size: int = 1000
-    # Fair load (server/admission.py): generations per user per minute (0: no limit) and burst, and
+    # Fair load (server/chats/admission.py): generations per user per minute (0: no limit) and burst, and
     # the share of a model's queue one user's open generations may take.
     rate_limit_per_minute: int = 600
     rate_limit_burst: int = 60

@@ -174,14 +174,9 @@ def _say(line: str) -> None:
 
 def prepare_model(template: str, train_steps: int = 100) -> str:
     """The directory of the tiny model for a built-in template name or a Jinja template file."""
-    from worker.tiny_model import (
-        BUILD_VERSION,
-        TINY_TEMPLATES,
-        build_cached,
-        build_tiny_model,
-        default_cache_dir,
-        resolve_model,
-    )
+    from worker.tiny.build import BUILD_VERSION, build_tiny_model
+    from worker.tiny.cache import build_cached, default_cache_dir, resolve_model
+    from worker.tiny.layout import TINY_TEMPLATES
 
     if template in TINY_TEMPLATES:
         _say(f"preparing tiny-{template} (built and trained once, then cached)...")

@@ -36,15 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from worker.chat_format import ChatFormat
-from worker.tiny_model import (
-    BUILD_VERSION,
-    LLAMA3_SPECIALS,
-    TokenLayout,
-    build_cached,
-    build_tiny_model,
-    build_tiny_tokenizer,
-    default_cache_dir,
-)
+from worker.tiny.build import BUILD_VERSION, build_tiny_model, build_tiny_tokenizer
+from worker.tiny.cache import build_cached, default_cache_dir
+from worker.tiny.layout import LLAMA3_SPECIALS, TokenLayout
 
 
 @dataclass(frozen=True)

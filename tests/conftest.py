@@ -40,7 +40,7 @@ def postgres_url() -> Iterator[str]:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny chatml model with random weights, built once per test session (seconds, offline).
     Plumbing tests use it; tests that need reasoning, tool calls or closers use ``trained_model``."""
-    from worker.tiny_model import build_tiny_model
+    from worker.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-chatml"), train=False)
 
@@ -49,7 +49,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def trained_model() -> Callable[[str], Path]:
     """``trained_model(template)``: the briefly trained tiny model of that template, from the shared
     cache (``TOKENTRAIL_CACHE_DIR`` or ~/.cache/tokentrail): built once per machine, then reused."""
-    from worker.tiny_model import resolve_model
+    from worker.tiny import resolve_model
 
     return lambda template: Path(resolve_model(f"tiny-{template}"))
 

@@ -25,7 +25,7 @@ def _vllm_python() -> Path:
 
 @pytest.fixture(scope="module")
 def contract_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.tiny_model import build_tiny_model
+    from worker.tiny import build_tiny_model
 
     return Path(build_tiny_model(tmp_path_factory.mktemp("contract") / "tiny", train=False))
 

@@ -20,7 +20,7 @@ from shared.protocol import FinishReason, PriorChain, WorkFrame, WorkMessage
 from shared.stitching import extends, merge_turns
 from worker.chat_format import ChatFormat
 from worker.prompt_builder import PromptBuilder
-from worker.tiny_model import build_tiny_model
+from worker.tiny import build_tiny_model
 
 # Templates the code was not written for: a Zephyr-like one with text role tags, and one whose
 # separator lives in the *next* turn's header and that renders the system prompt inline.

@@ -12,29 +12,15 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from worker import tiny_model
-from worker.tiny_model import (
-    BUILD_VERSION,
-    TINY_TEMPLATES,
-    build_tiny_model,
-    default_cache_dir,
-    resolve_model,
-)
-from worker.tiny_training import DEFAULT_TRAIN_STEPS
+from worker.tiny import build_tiny_model, cache, resolve_model
+from worker.tiny.build import BUILD_VERSION
+from worker.tiny.cache import default_cache_dir
+from worker.tiny.layout import CHATML, LLAMA3_SPECIALS, TINY_TEMPLATES
+from worker.tiny.training import DEFAULT_TRAIN_STEPS
 
-SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+SPECIALS = CHATML.specials
 # Qwen3 layout: single ids, but not special (decode(skip_special_tokens=True) keeps them).
-ADDED = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
-LLAMA3_SPECIALS = (
-    "<|begin_of_text|>",
-    "<|end_of_text|>",
-    "<|start_header_id|>",
-    "<|end_header_id|>",
-    "<|eot_id|>",
-    "<|eom_id|>",
-    "<|python_tag|>",
-    "<|finetune_right_pad_id|>",
-)
+ADDED = CHATML.added
 TOOLS = [
     {
         "type": "function",
@@ -308,7 +294,7 @@ def test_resolve_model_builds_once(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         builds.append((out_dir, kwargs))
         return build_tiny_model(out_dir, **kwargs, train=False)  # the real (trained) build takes a minute
 
-    monkeypatch.setattr(tiny_model, "build_tiny_model", untrained_build)
+    monkeypatch.setattr(cache, "build_tiny_model", untrained_build)
     path = resolve_model("tiny", cache_dir=tmp_path)
     expected = tmp_path / "models" / f"tiny-chatml-s0-v{BUILD_VERSION}"
     assert Path(path) == expected.absolute()

@@ -80,7 +80,7 @@ def _stop(proc: subprocess.Popen[bytes], name: str) -> None:
 @contextlib.contextmanager
 def running_stack(data_dir: Path, port: int, model: str, *, quiet: bool, max_parallel: int = 4) -> Iterator[str]:
     """Start server + worker; yield the server URL once the worker's model is offered."""
-    from worker.tiny_model import resolve_model
+    from worker.tiny import resolve_model
 
     url = f"http://127.0.0.1:{port}"
     typer.echo(f"preparing model {model!r} (built once, then cached)...")

@@ -36,7 +36,7 @@ from shared.protocol import WorkMessage
 EncodeMethod = Literal["masked", "escaped"]
 
 # Private-use characters delimit sentinels (message texts) and placeholders (escaped control strings).
-_SENTINEL = "\ue000tt{}\ue001"
+SENTINEL = "\ue000tt{}\ue001"  # SENTINEL.format(k): message text k in a masked render (rpc finds it there)
 _SENTINEL_RE = re.compile("\ue000tt(\\d+)\ue001")
 _PLACEHOLDER = "\ue002{}\ue003"
 _PLACEHOLDER_RE = re.compile("\ue002(\\d+)\ue003")
@@ -389,7 +389,7 @@ class ChatFormat:
             if not value:  # nothing to protect; templates test emptiness (`if content`), so keep it empty
                 return value
             texts.append(value)
-            return _SENTINEL.format(len(texts) - 1)
+            return SENTINEL.format(len(texts) - 1)
 
         masked = [
             m if isinstance(item, dict) else {**m, "content": mask(m["content"]) or "", **_masked_reasoning(m, mask)}

@@ -139,7 +139,8 @@ def model_tiny(
     train_steps: Annotated[int | None, typer.Option(min=1, help="Training steps (default 300).")] = None,
 ) -> None:
     """Build a tiny Llama-style model with a locally trained BPE tokenizer, offline and deterministically."""
-    from worker.tiny_model import TINY_TEMPLATES, build_tiny_model
+    from worker.tiny import build_tiny_model
+    from worker.tiny.layout import TINY_TEMPLATES
 
     if template not in TINY_TEMPLATES:
         raise typer.BadParameter(f"--template must be one of {', '.join(TINY_TEMPLATES)}")
@@ -161,7 +162,7 @@ def verify(
     ] = None,
 ) -> None:
     """Re-score every exported sample by teacher forcing (fp32) and check masks and prefixes."""
-    from worker.tiny_model import resolve_model
+    from worker.tiny import resolve_model
     from worker.verify import verify_file
 
     try:

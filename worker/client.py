@@ -1,4 +1,5 @@
-"""The worker's websocket client: connect, say hello, take work while credits last, stream tokens.
+"""The worker's websocket client: connect, say hello, take work while credits last, send the frames
+that each message's generation (``worker.generation``) yields, answer tokenizer calls, drain.
 
 Reconnects with capped exponential backoff and jitter; a refused key or protocol version is
 fatal. Generation runs as one task per message; losing the connection aborts them all (the
@@ -9,20 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import json
 import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import websockets
 from pydantic import ValidationError
 from websockets.asyncio.client import ClientConnection
 
 from shared.errors import ErrorCode
-from shared.packing import to_float32
 from shared.protocol import (
     FEATURE_BATCH,
     FEATURE_DRAIN,
@@ -34,28 +31,23 @@ from shared.protocol import (
     ErrorFrame,
     FailedFrame,
     FinishedFrame,
-    FinishReason,
-    GenerationRecord,
     HeartbeatFrame,
     HelloFrame,
     RpcFrame,
     RpcResultFrame,
     TokensFrame,
-    TopLogprob,
     WelcomeFrame,
     WorkFrame,
     server_frame_adapter,
 )
 from worker.chat_format import ChatFormat, RenderError
-from worker.detokenizer import IncrementalDetokenizer
-from worker.engines.contract import Engine, EngineError, GenerationParams
-from worker.output_parser import OutputParser, ParsedOutput
-from worker.prompt_builder import BuiltPrompt, CloserPolicy, PromptBuilder, PromptMode, template_error
+from worker.engines.contract import Engine, EngineError
+from worker.generation import Pipeline
+from worker.prompt_builder import CloserPolicy, PromptMode, template_error
 from worker.rpc import RpcError, handle_rpc, vocab_size
 
 log = logging.getLogger(__name__)
 
-_MAX_BUILDERS = 16  # prompt builders kept for distinct chat-template arguments
 FATAL_CODES = {ErrorCode.invalid_worker_key.value, ErrorCode.protocol_version_mismatch.value}
 
 
@@ -92,9 +84,7 @@ class WorkerClient:
         self.options = options
         self.engine = engine
         self.fmt = fmt
-        self.prompts = PromptBuilder(fmt, mode=options.prompt_mode, closer_policy=options.closer_policy)
-        self.parser = OutputParser.for_tokenizer(fmt.tokenizer, fmt.template_for(None))
-        self._builders: dict[str, PromptBuilder] = {}
+        self.pipeline = Pipeline(engine, fmt, prompt_mode=options.prompt_mode, closer_policy=options.closer_policy)
         self._ws: ClientConnection | None = None
         self._send_lock = asyncio.Lock()
         self._batching = False  # the server takes the frames of one engine step as one message
@@ -212,7 +202,7 @@ class WorkerClient:
                         self._attempts[key] = frame.attempt
                         self._tasks[key] = asyncio.create_task(self._work(frame), name=f"work-{key}")
                     elif isinstance(frame, CancelFrame):
-                        await self.engine.abort(_request_id(frame.message_id, frame.attempt))
+                        await self.pipeline.cancel(frame.message_id, frame.attempt)
                     elif isinstance(frame, RpcFrame):
                         await self._send(self._rpc(frame))
                     elif isinstance(frame, ErrorFrame):
@@ -307,8 +297,11 @@ class WorkerClient:
     # ---- one message ---------------------------------------------------------------------
     async def _work(self, frame: WorkFrame) -> None:
         try:
-            record = await self._generate(frame)
-            await self._send(FinishedFrame(message_id=frame.message_id, attempt=frame.attempt, record=record))
+            # When a send fails or the task is cancelled, the pipeline (and the engine stream it holds)
+            # is closed right then, not whenever the garbage collector finds it.
+            async with contextlib.aclosing(self.pipeline.frames(frame)) as frames:
+                async for out in frames:
+                    await self._send(out)
             self.completed += 1
         except (RenderError, EngineError) as exc:
             code = exc.code if isinstance(exc, EngineError) else template_error(exc).code
@@ -348,196 +341,6 @@ class WorkerClient:
         with contextlib.suppress(ConnectionError, websockets.exceptions.WebSocketException):
             await self._send(frame)
 
-    def _builder(self, template_kwargs: dict[str, Any] | None) -> PromptBuilder:
-        """The prompt builder of these chat-template arguments (probed once, a few kept)."""
-        if not template_kwargs:
-            return self.prompts
-        key = json.dumps(template_kwargs, sort_keys=True, default=str)
-        builder = self._builders.get(key)
-        if builder is None:
-            fmt = dataclasses.replace(self.fmt, template_kwargs={**self.fmt.template_kwargs, **template_kwargs})
-            builder = PromptBuilder(fmt, mode=self.options.prompt_mode, closer_policy=self.options.closer_policy)
-            if len(self._builders) >= _MAX_BUILDERS:
-                self._builders.pop(next(iter(self._builders)))
-            self._builders[key] = builder
-        return builder
-
-    def _prompt(self, frame: WorkFrame) -> tuple[BuiltPrompt, str | None]:
-        """The prompt to generate from, and how client-supplied prompt tokens compared with it."""
-        raw = frame.raw
-        if raw is not None:
-            if raw.token_ids is not None:
-                ids = list(raw.token_ids)
-            else:
-                ids = list(self.fmt.tokenizer.encode(raw.text or "", add_special_tokens=raw.add_special_tokens))
-            if not ids:
-                raise EngineError(ErrorCode.bad_request.value, "the prompt is empty")
-            return BuiltPrompt(ids, method="raw"), None
-        built = self._builder(frame.template_kwargs).build(frame)
-        check = None
-        if frame.required_prefix_ids is not None:
-            required = frame.required_prefix_ids
-            at = _first_difference(built.prompt_ids[: len(required)], required)
-            check = "prefix-match" if at is None else f"prefix-mismatch@{at}"
-        client = frame.client_prompt_ids
-        if client is not None:
-            at = _first_difference(built.prompt_ids, client)
-            if at is None:
-                return built, "match"
-            # Tokens in: generate from what the client sent; it still extends the stored turn if it
-            # agrees with the built prompt over the reused part.
-            extends = at >= built.reused_prefix_len
-            built = BuiltPrompt(
-                list(client),
-                prior_message_id=built.prior_message_id if extends else None,
-                reused_prefix_len=built.reused_prefix_len if extends else 0,
-                fork=built.fork or not extends,
-                fork_reason=None if extends else "the client's prompt tokens differ from the stored chain",
-                method="client",
-            )
-            check = f"mismatch@{at}"
-        return built, check
-
-    def _top(self, rows: list[list[tuple[int, float]]] | None) -> list[list[TopLogprob]] | None:
-        if rows is None:
-            return None
-        decode = self.fmt.tokenizer.decode
-        return [[(i, float(lp), decode([i])) for i, lp in row] for row in rows]
-
-    async def _generate(self, frame: WorkFrame) -> GenerationRecord:
-        built, prompt_check = self._prompt(frame)
-        prompt_ids = built.prompt_ids
-        max_context = self.engine.info.max_context
-        if len(prompt_ids) >= max_context:
-            raise EngineError(
-                ErrorCode.context_overflow.value,
-                f"the prompt has {len(prompt_ids)} tokens; the model's context holds {max_context}",
-            )
-        chat = frame.raw is None
-        opens_think = chat and self.parser.opened_by(prompt_ids)
-        tracker = self.parser.channels(prompt_opens_think=opens_think) if chat else None
-        detok = IncrementalDetokenizer(self.fmt.tokenizer)
-        completion: list[int] = []
-        logprobs: list[float | None] = []
-        offsets: list[int] = []
-        resume = frame.resume
-        if resume is not None:
-            if resume.compat_hash != self.fmt.compat_hash:
-                raise EngineError(ErrorCode.bad_request.value, "cannot resume tokens of another tokenizer")
-            for tid in resume.token_ids:
-                detok.add(tid)
-                if tracker is not None:
-                    tracker.feed(tid)
-            completion += resume.token_ids
-            logprobs += resume.logprobs
-            # Keep the earlier attempt's text split exactly as readers already received it.
-            pos = 0
-            for piece in resume.texts:
-                pos += len(piece)
-                offsets.append(pos)
-            detok.text = "".join(resume.texts)
-        sampling = frame.sampling
-        stop_strings = StopStrings(sampling.stop)
-        remaining = sampling.max_new_tokens - len(completion)
-        model_stops = () if sampling.ignore_eos else self.fmt.stop_token_ids
-        stops = tuple(dict.fromkeys([*sampling.stop_token_ids, *model_stops]))
-        finish_reason: FinishReason = "length"
-        stop_reason: int | str | None = None
-        num_cached: int | None = None
-        if remaining > 0 and stop_strings.found(detok.text) is None:
-            params = GenerationParams(
-                max_new_tokens=remaining,
-                temperature=1.0 if sampling.temperature is None else sampling.temperature,
-                top_k=sampling.top_k,
-                top_p=sampling.top_p,
-                typical_p=sampling.typical_p,
-                min_p=sampling.min_p,
-                repetition_penalty=sampling.repetition_penalty,
-                seed=frame.seed,
-                stop_token_ids=stops,
-                top_logprobs=sampling.top_logprobs,
-            )
-            request_id = _request_id(frame.message_id, frame.attempt)
-            engine_prompt = prompt_ids + completion
-            first = True
-            prompt_sent = False
-            async for step in self.engine.generate(request_id, engine_prompt, params):
-                if first and step.prompt_token_ids is not None and step.prompt_token_ids != engine_prompt:
-                    await self.engine.abort(request_id)
-                    raise EngineError(
-                        ErrorCode.engine_error.value, "the engine consumed other prompt tokens than were sent"
-                    )
-                if first:
-                    num_cached = step.num_cached_tokens
-                if step.token_ids:
-                    start = len(completion)
-                    step_ids, lps = step.token_ids, to_float32(step.logprobs)
-                    top = step.top_logprobs if sampling.top_logprobs > 0 else None
-                    texts: list[str] = []
-                    hit: str | None = None
-                    for k, tid in enumerate(step_ids):
-                        texts.append(detok.add(tid))
-                        hit = stop_strings.found(detok.text, len(texts[-1]))
-                        if hit is not None:  # keep the tokens up to the one completing the stop string
-                            step_ids, lps, top = step_ids[: k + 1], lps[: k + 1], top[: k + 1] if top else top
-                            break
-                    for piece in texts:
-                        offsets.append((offsets[-1] if offsets else 0) + len(piece))
-                    completion += step_ids
-                    logprobs += lps
-                    with_prompt, prompt_sent = not prompt_sent, True
-                    await self._send(
-                        TokensFrame(
-                            message_id=frame.message_id,
-                            attempt=frame.attempt,
-                            start=start,
-                            token_ids=step_ids,
-                            logprobs=list(lps),
-                            texts=texts,
-                            channels="".join(tracker.feed(t) for t in step_ids) if tracker is not None else None,
-                            top_logprobs=self._top(top),
-                            prompt_ids=prompt_ids if with_prompt else None,
-                        )
-                    )
-                    if hit is not None:
-                        await self.engine.abort(request_id)
-                        finish_reason, stop_reason = "stop", hit
-                        break
-                first = False
-                if step.finish_reason is not None:
-                    finish_reason, stop_reason = step.finish_reason, step.stop_reason
-        elif remaining > 0:
-            finish_reason, stop_reason = "stop", stop_strings.found(detok.text)
-        tail = detok.flush()
-        if tail and offsets:
-            offsets[-1] += len(tail)
-        parsed = self.parser.parse(completion, prompt_opens_think=opens_think) if chat else ParsedOutput(detok.text)
-        if isinstance(stop_reason, str):
-            parsed = stop_strings.cut(parsed, stop_reason)
-        return GenerationRecord(
-            prompt_ids=prompt_ids,
-            completion_ids=completion,
-            logprobs=logprobs,
-            text_offsets=offsets,
-            completion_text=detok.text,
-            content=parsed.content,
-            reasoning_content=parsed.reasoning_content,
-            tool_calls=parsed.tool_calls,
-            finish_reason=finish_reason,
-            stop_reason=stop_reason,
-            engine=self.engine.info.name,
-            tokenizer_hash=self.fmt.tokenizer_hash,
-            template_hash=self.fmt.template_hash,
-            prior_message_id=built.prior_message_id,
-            reused_prefix_len=built.reused_prefix_len,
-            synthetic_token_count=built.synthetic_token_count,
-            fork=built.fork,
-            prompt_method=built.method,
-            num_cached_tokens=num_cached,
-            resumed_at=[len(resume.token_ids)] if resume else [],
-            prompt_check=prompt_check,
-        )
-
 
 class _Outbox:
     """Frames queued for one websocket message, and the future of its send."""
@@ -550,46 +353,6 @@ class _Outbox:
         self.sent.add_done_callback(lambda f: None if f.cancelled() else f.exception())
 
 
-def _first_difference(a: list[int], b: list[int]) -> int | None:
-    """The first index where the sequences differ (or where the shorter one ends), None if equal."""
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-class StopStrings:
-    """Stop strings (OpenAI ``stop``): generation ends after the token that completes one; the
-    tokens stay in the record (the model produced them), the string and what follows are cut from
-    the reply text."""
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self.longest = max((len(s) for s in self.stops), default=0)
-
-    def found(self, text: str, new_chars: int | None = None) -> str | None:
-        """The stop string that occurs earliest in ``text`` (only its last ``new_chars`` characters
-        plus the overlap are searched when given), or None."""
-        if not self.stops:
-            return None
-        window = text if new_chars is None else text[max(0, len(text) - new_chars - self.longest + 1) :]
-        hits = [(window.find(s), s) for s in self.stops if s in window]
-        return min(hits)[1] if hits else None
-
-    @staticmethod
-    def cut(parsed: ParsedOutput, stop: str) -> ParsedOutput:
-        at = parsed.content.find(stop)
-        if at >= 0:
-            parsed.content = parsed.content[:at]
-        elif parsed.reasoning_content is not None and stop in parsed.reasoning_content:
-            parsed.reasoning_content = parsed.reasoning_content[: parsed.reasoning_content.find(stop)]
-        return parsed
-
-
 # How long after its last frame a message is still named in ``released`` when the connection
 # fails: frames in flight or unprocessed when a server dies are lost with it.
 _UNSTORED_S = 10.0
-
-
-def _request_id(message_id: str, attempt: int) -> str:
-    return f"{message_id}:{attempt}"

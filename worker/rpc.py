@@ -17,7 +17,7 @@ from typing import Any
 from shared.chain import MessageFormatError, text_content
 from shared.errors import ErrorCode
 from shared.protocol import WorkMessage
-from worker.chat_format import _SENTINEL, ChatFormat, Rendered, RenderError, TemplateRejected
+from worker.chat_format import SENTINEL, ChatFormat, Rendered, RenderError, TemplateRejected
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 _REASONING_FIELDS = ("reasoning_content", "reasoning", "reasoning_text", "thinking")
@@ -148,7 +148,7 @@ def _cut_after_final(rendered: Rendered, messages: list[WorkMessage]) -> Rendere
     if rendered.method == "masked":
         # render_parts masks non-empty contents and reasonings in message order, content first
         k = sum(bool(m.content) + bool(m.reasoning_content) for m in messages[:-1])
-        marker = _SENTINEL.format(k)
+        marker = SENTINEL.format(k)
         at = rendered.text.find(marker)
         if at >= 0:
             return Rendered(rendered.text[: at + len(marker)], rendered.texts, rendered.escapes, rendered.method)

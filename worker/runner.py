@@ -70,7 +70,7 @@ async def run_worker(
     threads: int | None = None,
     drain_timeout_s: float = 60.0,
 ) -> None:
-    from worker.tiny_model import resolve_model
+    from worker.tiny import resolve_model
 
     model_path = await asyncio.to_thread(resolve_model, model)
     fmt = await asyncio.to_thread(ChatFormat.load, model_path, template_kwargs=template_kwargs)

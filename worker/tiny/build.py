@@ -1,121 +1,32 @@
-"""A tiny Llama-style chat model built offline, for tests and demos.
-
-``build_tiny_model`` writes a directory that ``AutoTokenizer.from_pretrained`` and
-``AutoModelForCausalLM.from_pretrained`` load like any Hugging Face checkpoint: a byte-level BPE
-tokenizer trained on text generated here, a chat template, a 4-layer ``LlamaForCausalLM`` and
-``tokentrail.json`` describing the build. Its seeded random weights are then briefly trained on
-synthetic chats (``worker.tiny_training``), so that sampled replies close their turn, often reason and
-often call offered tools -- enough structure to exercise multi-turn stitching. Nothing is downloaded;
-the tokenizer is byte-identical everywhere, the weights are reproducible on one machine (see
-``train_tiny_model``), and with ``train=False`` they are byte-identical everywhere.
-
-Token kinds, per template:
-
-* chatml: special ``<|endoftext|>`` (pad), ``<|im_start|>``, ``<|im_end|>`` (eos, the turn closer);
-  non-special added tokens ``<think>`` ``</think>`` ``<tool_call>`` ``</tool_call>`` ``<tool_response>``
-  ``</tool_response>``: single ids that ``decode(skip_special_tokens=True)`` keeps, as in Qwen3.
-* llama3: special ``<|begin_of_text|>`` (bos), ``<|end_of_text|>`` (eos, *not* the turn closer),
-  ``<|start_header_id|>``, ``<|end_header_id|>``, ``<|eot_id|>`` (closes a turn), ``<|eom_id|>`` (closes
-  an assistant turn that called a tool), ``<|python_tag|>``, ``<|finetune_right_pad_id|>`` (pad);
-  generation_config.json stops on eot, eom and end_of_text.
-
-``resolve_model("tiny")`` (or ``"tiny-<template>"``) builds such a model once into the cache directory
-and returns its path; any other name is returned unchanged.
+"""Builds the tiny model's directory: a byte-level BPE tokenizer trained on ``worker.tiny.synthetic``'s
+corpus, a chat template, generation_config.json, a seeded 4-layer ``LlamaForCausalLM`` briefly trained
+(``worker.tiny.training``) unless ``train=False``, and ``tokentrail.json`` describing the build.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import stat
-import tempfile
-from collections.abc import Callable
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from worker.tiny_training import DEFAULT_TRAIN_STEPS, tokenizer_corpus, train_tiny_model
+from worker.tiny.layout import TokenLayout, template_layout
+from worker.tiny.synthetic import tokenizer_corpus
+from worker.tiny.training import DEFAULT_TRAIN_STEPS, train_tiny_model
 
-__all__ = [
-    "BUILD_VERSION",
-    "LLAMA3_SPECIALS",
-    "TINY_TEMPLATES",
-    "TokenLayout",
-    "build_tiny_model",
-    "build_tiny_tokenizer",
-    "default_cache_dir",
-    "resolve_model",
-]
+__all__ = ["BUILD_VERSION", "build_tiny_model", "build_tiny_tokenizer"]
 
 # Bump whenever the output of build_tiny_model changes, so cached builds are not reused.
 # 3: trained weights, 4 layers x 128, non-special think/tool tokens, llama3 template (2: its pre-release).
 BUILD_VERSION = 3
 
-
-@dataclass(frozen=True)
-class TokenLayout:
-    """The special and added tokens of a tokenizer (as its tokenizer_config.json lists them)."""
-
-    specials: tuple[str, ...]  # special tokens, in id order (ids 0..)
-    added: tuple[str, ...]  # non-special added tokens (single ids, kept by skip_special_tokens), next ids
-    eos: str  # the tokenizer's eos_token and config.eos_token_id
-    pad: str
-    bos: str | None
-    stop: tuple[str, ...]  # generation_config.json eos_token_id (a single id if only one)
-
-
-_CHATML = TokenLayout(
-    specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
-    added=("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"),
-    eos="<|im_end|>",
-    pad="<|endoftext|>",
-    bos=None,
-    stop=("<|im_end|>",),
-)
-LLAMA3_SPECIALS: tuple[str, ...] = (
-    "<|begin_of_text|>",
-    "<|end_of_text|>",
-    "<|start_header_id|>",
-    "<|end_header_id|>",
-    "<|eot_id|>",
-    "<|eom_id|>",
-    "<|python_tag|>",
-    "<|finetune_right_pad_id|>",
-)
-_LLAMA3 = TokenLayout(
-    specials=LLAMA3_SPECIALS,
-    added=(),
-    eos="<|end_of_text|>",
-    pad="<|finetune_right_pad_id|>",
-    bos="<|begin_of_text|>",
-    stop=("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"),
-)
-# Built-in chat templates (worker/templates/<name>.jinja) and the tokens each needs.
-_TEMPLATE_TOKENS: dict[str, TokenLayout] = {"chatml": _CHATML, "llama3": _LLAMA3}
-TINY_TEMPLATES: tuple[str, ...] = tuple(_TEMPLATE_TOKENS)
-
 _MAX_POSITIONS = 2048
 VOCAB_SIZE = 3072  # target size of the BPE vocabulary, special tokens and 256 byte symbols included
 
-_MODEL_PREFIX = "tiny"
-
-
-# --------------------------------------------------------------------------------------------------
-# Building
-# --------------------------------------------------------------------------------------------------
-
-
-def _template_tokens(template: str) -> TokenLayout:
-    try:
-        return _TEMPLATE_TOKENS[template]
-    except KeyError:
-        raise ValueError(f"unknown tiny template {template!r}; known: {', '.join(TINY_TEMPLATES)}") from None
-
 
 def _builtin_template_text(template: str) -> str:
-    return resources.files("worker").joinpath("templates", f"{template}.jinja").read_text(encoding="utf-8")
+    return resources.files("worker.tiny").joinpath("templates", f"{template}.jinja").read_text(encoding="utf-8")
 
 
 def _train_tokenizer(tokens: TokenLayout) -> object:
@@ -212,8 +123,8 @@ def build_tiny_model(
 ) -> Path:
     """Write tokenizer + config + weights + chat template to out_dir; return out_dir.
 
-    ``template`` names a built-in template (see ``TINY_TEMPLATES``) and picks the special tokens; if
-    ``chat_template_file`` is given its text is used as the chat template instead of the built-in one
+    ``template`` names a built-in template (see ``worker.tiny.layout``) and picks the special tokens;
+    if ``chat_template_file`` is given its text is used as the chat template instead of the built-in one
     (and the training conversations are rendered with it); ``layout`` gives the tokenizer's special and
     added tokens instead of the built-in template's (for real templates: see ``benchmarks/template_zoo``).
     ``seed`` only affects the weights (the tokenizer is the same for every seed). ``train=False`` skips
@@ -228,7 +139,7 @@ def build_tiny_model(
     hf: Any = transformers
 
     out_dir = Path(out_dir)
-    tokens = layout if layout is not None else _template_tokens(template)
+    tokens = layout if layout is not None else template_layout(template)
     if chat_template_file is not None:
         chat_template = Path(chat_template_file).read_text(encoding="utf-8")
     else:
@@ -286,69 +197,3 @@ def build_tiny_model(
     weights = out_dir / "model.safetensors"
     weights.chmod(stat.S_IMODE(info_file.stat().st_mode))
     return out_dir
-
-
-# --------------------------------------------------------------------------------------------------
-# Cache
-# --------------------------------------------------------------------------------------------------
-
-
-def default_cache_dir() -> Path:
-    """$TOKENTRAIL_CACHE_DIR or ~/.cache/tokentrail"""
-    env = os.environ.get("TOKENTRAIL_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "tokentrail"
-
-
-def _tiny_template(name: str) -> str | None:
-    """The template a ``tiny``/``tiny-<template>`` name asks for, or None if it is not such a name."""
-    if name == _MODEL_PREFIX:
-        return "chatml"
-    prefix = _MODEL_PREFIX + "-"
-    if not name.startswith(prefix) or Path(name).exists():
-        return None
-    template = name[len(prefix) :]
-    _template_tokens(template)  # "tiny-<unknown>" is a mistake, not a hub id: say so
-    return template
-
-
-def resolve_model(name_or_path: str, *, cache_dir: Path | None = None) -> str:
-    """'tiny' or 'tiny-<template>' -> path of a tiny model built (once) into the cache; else unchanged.
-
-    The model is built into ``<cache>/models/tiny-<template>-s0-v<BUILD_VERSION>``: first into a
-    temporary sibling directory, which is then renamed into place, so a reader never sees a partial
-    build and concurrent processes racing to build it both end up with the same complete directory.
-    Anything else (a model directory, a hub id) is returned unchanged; so is an existing path named like
-    ``tiny-...``. ``tiny-<unknown template>`` raises ValueError.
-    """
-    template = _tiny_template(name_or_path)
-    if template is None:
-        return name_or_path
-    models_dir = Path(cache_dir if cache_dir is not None else default_cache_dir()).expanduser() / "models"
-    final = (models_dir / f"{_MODEL_PREFIX}-{template}-s0-v{BUILD_VERSION}").absolute()
-    return build_cached(final, lambda out: build_tiny_model(out, template=template, seed=0))
-
-
-def build_cached(final: Path, build: Callable[[Path], object]) -> str:
-    """Build a model directory once, atomically: ``build(tmp)`` into a temporary sibling, then rename
-    it to ``final``. A reader never sees a partial build; processes racing to build it both end up
-    with the same complete directory (the loser uses the winner's)."""
-    if (final / "tokentrail.json").is_file():
-        return str(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
-    try:
-        build(tmp)
-        # mkdtemp made it 0700; give it the mode of the models directory it lands in.
-        tmp.chmod(stat.S_IMODE(final.parent.stat().st_mode))
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            # Another process finished first (the target exists and is not empty): use its build.
-            if not (final / "tokentrail.json").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return str(final)

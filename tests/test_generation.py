@@ -1,0 +1,111 @@
+"""One message's generation without a websocket: ``Pipeline.frames`` over a scripted engine."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from shared.api import SamplingParameters
+from shared.protocol import FinishedFrame, ResumeState, TokensFrame, WorkFrame, WorkMessage
+from worker.chat_format import ChatFormat
+from worker.engines.contract import EngineInfo, GenerationParams, TokenStep
+from worker.generation import Pipeline
+
+
+class ScriptedEngine:
+    """Yields the given steps; records what it was asked."""
+
+    def __init__(self, steps: list[TokenStep]) -> None:
+        self.info = EngineInfo(name="scripted", max_context=256)
+        self.steps = steps
+        self.prompts: list[list[int]] = []
+        self.aborted: list[str] = []
+
+    async def start(self) -> None: ...
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: GenerationParams
+    ) -> AsyncIterator[TokenStep]:
+        self.prompts.append(prompt_ids)
+        for step in self.steps:
+            yield step
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    async def close(self) -> None: ...
+
+
+@pytest.fixture(scope="module")
+def fmt(tiny_model_dir: Path) -> ChatFormat:
+    return ChatFormat.load(str(tiny_model_dir))
+
+
+def work(**sampling: object) -> WorkFrame:
+    messages = [WorkMessage(id="u1", role="user", content="hi")]
+    return WorkFrame(
+        message_id="m",
+        attempt=2,
+        chat_id="c",
+        model_name="tiny",
+        messages=messages,
+        sampling=SamplingParameters.model_validate(sampling),
+        seed=0,
+    )
+
+
+def run(engine: ScriptedEngine, fmt: ChatFormat, frame: WorkFrame) -> list[TokensFrame | FinishedFrame]:
+    async def collect() -> list[TokensFrame | FinishedFrame]:
+        return [out async for out in Pipeline(engine, fmt).frames(frame)]
+
+    return asyncio.run(collect())
+
+
+def test_one_tokens_frame_per_engine_step_then_the_record(fmt: ChatFormat) -> None:
+    ids = fmt.tokenizer.encode("Hello there, friend")
+    end = fmt.stop_token_ids[0]
+    engine = ScriptedEngine(
+        [
+            TokenStep(ids[:2], [-0.5, -0.25], prompt_token_ids=None, num_cached_tokens=3),
+            TokenStep([*ids[2:], end], [-1.0] * (len(ids) - 1), finish_reason="stop", stop_reason=end),
+        ]
+    )
+    *tokens, finished = run(engine, fmt, work())
+    assert all(isinstance(t, TokensFrame) for t in tokens) and isinstance(finished, FinishedFrame)
+    assert [t.start for t in tokens if isinstance(t, TokensFrame)] == [0, 2]
+    first, second = tokens
+    assert isinstance(first, TokensFrame) and isinstance(second, TokensFrame)
+    assert first.prompt_ids == engine.prompts[0] and second.prompt_ids is None
+    record = finished.record
+    assert record.completion_ids == [*ids, end] and record.prompt_ids == engine.prompts[0]
+    assert record.content == "Hello there, friend" and "".join(first.texts + second.texts) == record.completion_text
+    assert record.text_offsets[-1] == len(record.completion_text)
+    assert (record.finish_reason, record.stop_reason, record.num_cached_tokens) == ("stop", end, 3)
+    assert record.engine == "scripted" and record.tokenizer_hash == fmt.tokenizer_hash
+
+
+def test_a_stop_string_ends_the_step_at_its_token_and_aborts(fmt: ChatFormat) -> None:
+    ids = fmt.tokenizer.encode("one two three four")
+    engine = ScriptedEngine([TokenStep(ids, [-1.0] * len(ids)), TokenStep([5], [-1.0], finish_reason="length")])
+    *tokens, finished = run(engine, fmt, work(stop=["three"]))
+    assert isinstance(finished, FinishedFrame) and len(tokens) == 1
+    assert engine.aborted == ["m:2"]
+    record = finished.record
+    assert "three" in record.completion_text and not record.completion_text.endswith("four")
+    assert (record.finish_reason, record.stop_reason, record.content) == ("stop", "three", "one two ")
+
+
+def test_a_resumed_attempt_continues_after_the_streamed_tokens(fmt: ChatFormat) -> None:
+    ids = fmt.tokenizer.encode("Resumed text here")
+    texts = [fmt.tokenizer.decode(ids[:1])]
+    resume = ResumeState(compat_hash=fmt.compat_hash, token_ids=ids[:1], logprobs=[-0.5], texts=texts)
+    engine = ScriptedEngine([TokenStep(ids[1:], [-1.0] * (len(ids) - 1), finish_reason="length")])
+    frame = work(max_new_tokens=len(ids)).model_copy(update={"resume": resume})
+    tokens, finished = run(engine, fmt, frame)
+    assert isinstance(tokens, TokensFrame) and isinstance(finished, FinishedFrame)
+    assert tokens.start == 1 and engine.prompts[0][-1] == ids[0]
+    assert finished.record.completion_ids == ids and finished.record.resumed_at == [1]
+    assert finished.record.completion_text == "Resumed text here"

@@ -107,7 +107,6 @@ import math
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -144,6 +143,7 @@ from benchmarks.exactness_metrics import (
 )
 from shared.protocol import WorkMessage
 from shared.stitching import extends, merge_turns
+from tokentrail.launcher import answers, free_port, offers, spawn, stop, wait_ready
 from worker.chat_format import ChatFormat, template_message
 from worker.engines.contract import GenerationParams
 from worker.prompt_builder import PromptBuilder
@@ -339,65 +339,6 @@ def has_control_text(text: str | None) -> bool:
 # --------------------------------------------------------------------------------------------------
 
 
-def _spawn(
-    args: list[str],
-    log: Path,
-    threads: int | None = None,
-    python: str | None = None,
-    extra_env: dict[str, str] | None = None,
-) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
-    with open(log, "wb") as out:
-        return subprocess.Popen(
-            [python or sys.executable, "-m", "tokentrail", *args], stdout=out, stderr=subprocess.STDOUT, env=env
-        )
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def _wait_ready(
-    url: str, procs: dict[str, subprocess.Popen[bytes]], logs: Path, models: Sequence[str], timeout: float = 180
-) -> None:
-    start = time.monotonic()
-    deadline, report = start + timeout, start + 15
-    while time.monotonic() < deadline:
-        if models and time.monotonic() >= report:
-            report += 15
-            _say(f"waiting for workers {', '.join(models)}: {time.monotonic() - start:.0f} s")
-        for name, proc in procs.items():
-            if proc.poll() is not None:
-                tail = (logs / f"{name}.log").read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{name} exited with code {proc.returncode}:\n{tail}")
-        with contextlib.suppress(httpx.HTTPError, ValueError):
-            if not models:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    return
-            else:
-                offered = {m["name"] for m in httpx.get(f"{url}/configs/model_configs", timeout=2).json()}
-                if offered >= set(models):
-                    return
-        time.sleep(0.2)
-    raise RuntimeError(f"not ready after {timeout:.0f} s: {models or 'server'} (logs in {logs})")
-
-
-def _worker_key(data_dir: Path) -> str:
-    from server.admin import issue_worker_key
-    from server.settings import ServerSettings
-
-    return issue_worker_key(ServerSettings(data_dir=data_dir), "exactness")
-
-
 VLLM_STARTUP_S = 600  # vLLM on CPU takes 30-60 s to start (more on a busy machine): two start at once
 
 
@@ -413,21 +354,22 @@ def vllm_python() -> str:
 @contextlib.contextmanager
 def running_server(work: Path) -> Iterator[tuple[str, str]]:
     """One server (embedded SQLite under ``work``) as a child process; yields (URL, worker key)."""
-    from tokentrail.launcher import free_port
+    from server.admin import issue_worker_key
+    from server.settings import ServerSettings
 
     url = f"http://127.0.0.1:{free_port()}"
     data = work / "data"
     data.mkdir()
-    key = _worker_key(data)
-    proc = _spawn(
+    key = issue_worker_key(ServerSettings(data_dir=data), "exactness")
+    proc = spawn(
         ["serve", "--port", url.rsplit(":", 1)[1], "--data-dir", str(data), "--log-level", "warning"],
-        work / "server.log",
+        output=work / "server.log",
     )
     try:
-        _wait_ready(url, {"server": proc}, work, [])
+        wait_ready(lambda: answers(url), {"server": proc}, "server", 180, logs=work)
         yield url, key
     finally:
-        _stop(proc)
+        stop(proc, "server")
 
 
 @contextlib.contextmanager
@@ -446,26 +388,29 @@ def running_workers(
     ``engine`` vllm starts them with the vLLM environment's python (``vllm_python``)."""
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
-        python, extra, engine_args = None, None, ["--engine", engine]
+        program, env, engine_args = None, {}, ["--engine", engine]
         if engine == "vllm":
-            python, extra = vllm_python(), {"VLLM_CPU_KVCACHE_SPACE": "1"}
+            program, env = (vllm_python(), "-m", "tokentrail"), {"VLLM_CPU_KVCACHE_SPACE": "1"}
             engine_args += ["--max-model-len", "2048", "--gpu-memory-utilization", "0.2"]
-            _say(f"starting {len(modes)} vLLM worker(s) with {python} (30-60 s or more each)...")
+            _say(f"starting {len(modes)} vLLM worker(s) with {program[0]} (30-60 s or more each)...")
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // len(modes)))
         for name, mode in modes.items():
-            procs[name] = _spawn(
+            procs[name] = spawn(
                 ["worker", "--server-url", url, "--api-key", key, "--model", model_dir, "--served-model-name", name,
                  "--prompt-mode", mode, "--max-parallel", str(max_parallel), "--log-level", "warning",
                  *engine_args, *extra_args],
-                work / f"{name}.log",
-                threads=max(1, (os.cpu_count() or 2) // len(modes)),
-                python=python,
-                extra_env=extra,
+                program=program,
+                output=work / f"{name}.log",
+                env=env,
             )  # fmt: skip
-        _wait_ready(url, procs, work, list(modes), VLLM_STARTUP_S if engine == "vllm" else 180)
+        timeout = VLLM_STARTUP_S if engine == "vllm" else 180
+        wait_ready(
+            lambda: offers(url, list(modes)), procs, f"workers {', '.join(modes)}", timeout, logs=work, progress=True
+        )
         yield
     finally:
-        for proc in reversed(procs.values()):
-            _stop(proc)
+        for name, proc in reversed(procs.items()):
+            stop(proc, name)
 
 
 @contextlib.contextmanager

@@ -51,7 +51,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.exactness import _spawn, _stop, _wait_ready, prepare_model, vllm_python
+from benchmarks.exactness import prepare_model, vllm_python
+from tokentrail.launcher import answers, free_port, offers, spawn, stop, wait_ready
 
 MODEL = "tiny"
 PROMPT = "Tell me a long story about a lighthouse keeper and the storm that changed the town."
@@ -331,7 +332,6 @@ def tokentrail_stack(
     """A server process and a worker process; yields (URL, {"server": pid, "worker": pid})."""
     from server.admin import issue_worker_key
     from server.settings import ServerSettings
-    from tokentrail.launcher import free_port
 
     data = work / "data"
     data.mkdir(exist_ok=True)
@@ -345,40 +345,36 @@ def tokentrail_stack(
     os.environ.update(env)
     try:
         if "TOKENTRAIL_DATABASE_URL" in env:
-            up = _spawn(["db", "upgrade"], work / "upgrade.log")
+            up = spawn(["db", "upgrade"], output=work / "upgrade.log")
             if up.wait(timeout=300) != 0:
                 raise RuntimeError((work / "upgrade.log").read_text()[-3000:])
         key = issue_worker_key(ServerSettings(migrate_on_start=True), "pipeline")
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        server = _spawn(["serve", "--port", str(port), "--log-level", "warning"], work / "server.log")
+        server = spawn(["serve", "--port", str(port), "--log-level", "warning"], output=work / "server.log")
         procs = {"server": server}
         try:
-            _wait_ready(url, procs, work, [])
+            wait_ready(lambda: answers(url), procs, "server", 180, logs=work)
             if worker_cmd is not None:
-                worker = subprocess.Popen(
-                    [*worker_cmd, "--server-url", url, "--api-key", key],
-                    stdout=open(work / "worker.log", "wb"),  # noqa: SIM115
-                    stderr=subprocess.STDOUT,
-                )
+                worker = spawn(["--server-url", url, "--api-key", key], program=worker_cmd, output=work / "worker.log")
             else:
-                python, extra, args = None, None, []
+                program, extra, args = None, None, []
                 if engine == "vllm":
-                    python, extra = vllm_python(), {"VLLM_CPU_KVCACHE_SPACE": "1"}
+                    program, extra = (vllm_python(), "-m", "tokentrail"), {"VLLM_CPU_KVCACHE_SPACE": "1"}
                     args = ["--max-model-len", "2048", "--gpu-memory-utilization", "0.2"]
-                worker = _spawn(
+                worker = spawn(
                     ["worker", "--server-url", url, "--api-key", key, "--model", model_dir, "--served-model-name",
                      MODEL, "--max-parallel", str(max_parallel), "--engine", engine, "--log-level", "warning", *args],
-                    work / "worker.log",
-                    python=python,
-                    extra_env=extra,
+                    program=program,
+                    output=work / "worker.log",
+                    env=extra,
                 )  # fmt: skip
             procs["worker"] = worker
-            _wait_ready(url, procs, work, [MODEL], 600 if engine == "vllm" else 180)
+            wait_ready(lambda: offers(url, [MODEL]), procs, "worker", 600 if engine == "vllm" else 180, logs=work)
             yield url, {name: p.pid for name, p in procs.items()}
         finally:
-            for p in reversed(procs.values()):
-                _stop(p)
+            for name, p in reversed(procs.items()):
+                stop(p, name)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -426,28 +422,17 @@ async def vllm_serve_points(url: str, pid: int, levels: list[int], tokens: int, 
 
 @contextlib.contextmanager
 def vllm_serve(work: Path, model_dir: str, max_seqs: int) -> Iterator[tuple[str, int]]:
-    from tokentrail.launcher import free_port
-
     port = free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-           "--served-model-name", MODEL, "--port", str(port), "--max-model-len", "2048",
-           "--max-num-seqs", str(max_seqs), "--gpu-memory-utilization", "0.2"]  # fmt: skip
-    with open(work / "vllm-serve.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    args = ["--model", model_dir, "--served-model-name", MODEL, "--port", str(port), "--max-model-len", "2048",
+            "--max-num-seqs", str(max_seqs), "--gpu-memory-utilization", "0.2"]  # fmt: skip
+    program = (vllm_python(), "-m", "vllm.entrypoints.openai.api_server")
+    proc = spawn(args, program=program, output=work / "vllm-serve.log", env={"VLLM_CPU_KVCACHE_SPACE": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError((work / "vllm-serve.log").read_text()[-3000:])
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(1)
+        wait_ready(lambda: answers(url), {"vllm-serve": proc}, "vllm serve", 600, logs=work)
         yield url, proc.pid
     finally:
-        _stop(proc)
+        stop(proc, "vllm serve")
 
 
 # ---- the synthetic engine (benchmark only) --------------------------------------------------------

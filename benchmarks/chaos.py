@@ -49,16 +49,13 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.exactness import prepare_model
+from benchmarks.models import prepare_model
+from benchmarks.progress import say
 from tokentrail.launcher import answers, free_port, spawn, stop, wait_ready
 
 MODEL = "tiny"
 SECRET = "chaos-benchmark-secret-0123456789abcdef"
 FINAL_STATES = {"complete", "aborted_by_worker", "cancelled", "timeout"}
-
-
-def _say(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -338,7 +335,7 @@ async def chaos(c: Cluster, tally: Tally, duration: float, every: tuple[float, f
             log.append(f"{at - start:6.1f}s {victim.name} killed")
             await asyncio.sleep(1.0 if victim in c.workers else 2.0)
             victim.start()
-        _say(f"{log[-1]} ({hit} streaming)")
+        say(f"{log[-1]} ({hit} streaming)")
     return log
 
 
@@ -358,10 +355,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 User(f"chaos-{i}", c.urls, tally, args.tokens, random.Random(rng.random())) for i in range(args.users)
             ]
             tasks = [asyncio.create_task(u.run(client, stop)) for u in users]
-            _say(f"{args.users} users chatting for {args.duration:.0f}s; killing every {args.kill_every}s")
+            say(f"{args.users} users chatting for {args.duration:.0f}s; killing every {args.kill_every}s")
             log = await chaos(c, tally, args.duration, every, rng)  # type: ignore[arg-type]
             stop.set()
-            _say(f"chaos over; letting every message end (up to {args.settle:.0f}s)")
+            say(f"chaos over; letting every message end (up to {args.settle:.0f}s)")
             _, running = await asyncio.wait(tasks, timeout=args.settle)
             for t in running:
                 t.cancel()

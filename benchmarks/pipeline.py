@@ -51,16 +51,13 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.exactness import prepare_model, vllm_python
+from benchmarks.models import prepare_model, vllm_python
+from benchmarks.progress import say
 from tokentrail.launcher import answers, free_port, offers, spawn, stop, wait_ready
 
 MODEL = "tiny"
 PROMPT = "Tell me a long story about a lighthouse keeper and the storm that changed the town."
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 # ---- measurements ---------------------------------------------------------------------------------
@@ -316,7 +313,7 @@ async def tokentrail_points(
             # the benchmark's own HTTP + SSE clients share the machine (the engine arm has none)
             point.cpu_s["client"] = time.process_time() - client_cpu
             points.append(point)
-            _say(f"  {arm} c={c}: {point.summary()['tokens_per_s']} tok/s")
+            say(f"  {arm} c={c}: {point.summary()['tokens_per_s']} tok/s")
         return points
 
 
@@ -673,16 +670,16 @@ def run(args: argparse.Namespace) -> list[Point]:
     with tempfile.TemporaryDirectory(prefix="tt-pipeline-") as tmp:
         work = Path(tmp)
         if "engine" in arms:
-            _say(f"engine alone ({args.engine})...")
+            say(f"engine alone ({args.engine})...")
             points += _engine_arm(args, model_dir, work)
         if "embedded" in arms:
-            _say("tokentrail embedded...")
+            say("tokentrail embedded...")
             sub = work / "embedded"
             sub.mkdir()
             with tokentrail_stack(sub, model_dir, max(levels), args.engine) as (url, pids):
                 points += asyncio.run(tokentrail_points("embedded", url, pids, levels, args.tokens, args.duration))
         if "redis" in arms:
-            _say("tokentrail on PostgreSQL + Redis...")
+            say("tokentrail on PostgreSQL + Redis...")
             sub = work / "redis"
             sub.mkdir()
             with (
@@ -694,7 +691,7 @@ def run(args: argparse.Namespace) -> list[Point]:
             ):
                 points += asyncio.run(tokentrail_points("redis", url, pids, levels, args.tokens, args.duration))
         if "vllm-serve" in arms and args.engine == "vllm":
-            _say("vllm serve...")
+            say("vllm serve...")
             with vllm_serve(work, model_dir, max(levels)) as (url, pid):
                 points += asyncio.run(vllm_serve_points(url, pid, levels, args.tokens, args.duration))
     return points

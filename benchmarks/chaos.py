@@ -49,16 +49,13 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.exactness import prepare_model
-from tokentrail.launcher import die_with_parent
+from benchmarks.models import prepare_model
+from benchmarks.progress import say
+from tokentrail.launcher import answers, free_port, spawn, stop, wait_ready
 
 MODEL = "tiny"
 SECRET = "chaos-benchmark-secret-0123456789abcdef"
 FINAL_STATES = {"complete", "aborted_by_worker", "cancelled", "timeout"}
-
-
-def _say(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -79,18 +76,17 @@ def _gap_stats(gaps: list[float]) -> dict[str, Any]:
 
 # ---- processes -----------------------------------------------------------------------------------
 class Proc:
-    """One restartable child process (a replica or a worker), its output appended to a log."""
+    """One restartable child process (a replica or a worker), its output appended to ``logs/NAME.log``."""
 
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log: Path) -> None:
-        self.name, self.cmd, self.env, self.log = name, cmd, env, log
+    def __init__(self, name: str, args: list[str], env: dict[str, str], logs: Path) -> None:
+        self.name, self.args, self.env, self.logs = name, args, env, logs
         self.proc: subprocess.Popen[bytes] | None = None
         self.kills = 0
 
-    def start(self) -> None:
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                self.cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env, preexec_fn=die_with_parent
-            )
+    def start(self) -> subprocess.Popen[bytes]:
+        log = self.logs / f"{self.name}.log"
+        self.proc = spawn(self.args, output=log, append=True, env=self.env, die_with_parent=True)
+        return self.proc
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -99,13 +95,8 @@ class Proc:
             self.kills += 1
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop(self.proc, self.name)
 
 
 @dataclass
@@ -119,13 +110,10 @@ class Cluster:
 @contextlib.contextmanager
 def cluster(work: Path, replicas: int, workers: int, model_dir: str, logs: Path | None = None) -> Iterator[Cluster]:
     from tests import services
-    from tokentrail.launcher import free_port
 
     with services.postgres_service() as pg:
         redis = services.RestartableRedis().start()
         env = {
-            **os.environ,
-            "PYTHONUNBUFFERED": "1",
             "TOKENTRAIL_DATABASE_URL": pg,
             "TOKENTRAIL_REDIS_URL": redis.url,
             "TOKENTRAIL_AUTH_SECRET": SECRET,
@@ -134,13 +122,14 @@ def cluster(work: Path, replicas: int, workers: int, model_dir: str, logs: Path 
             "TOKENTRAIL_DATA_DIR": str(work),
         }
         py = [sys.executable, "-m", "tokentrail"]
+        run_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
         procs: list[Proc] = []
         try:
-            up = subprocess.run([*py, "db", "upgrade"], env=env, capture_output=True, check=False)
+            up = subprocess.run([*py, "db", "upgrade"], env=run_env, capture_output=True, check=False)
             if up.returncode != 0:
                 raise RuntimeError(up.stderr.decode()[-3000:])
             made = subprocess.run(
-                [*py, "admin", "create-worker-key", "--name", "chaos"], env=env, capture_output=True, check=False
+                [*py, "admin", "create-worker-key", "--name", "chaos"], env=run_env, capture_output=True, check=False
             )
             if made.returncode != 0:
                 raise RuntimeError(made.stderr.decode()[-3000:])
@@ -148,29 +137,22 @@ def cluster(work: Path, replicas: int, workers: int, model_dir: str, logs: Path 
             ports = [free_port() for _ in range(replicas)]
             urls = [f"http://127.0.0.1:{p}" for p in ports]
             servers = [
-                Proc(
-                    f"server-{i}",
-                    [*py, "serve", "--port", str(p), "--log-level", "warning"],
-                    env,
-                    work / f"server-{i}.log",
-                )
+                Proc(f"server-{i}", ["serve", "--port", str(p), "--log-level", "warning"], env, work)
                 for i, p in enumerate(ports)
             ]
             wenv = {**env, "OMP_NUM_THREADS": "1"}
             workers_ = []
             for i in range(workers):
                 order = urls[i % replicas :] + urls[: i % replicas]  # spread the workers over the replicas
-                cmd = [*py, "worker", "--server-url", ",".join(order), "--api-key", key, "--model", model_dir,
-                       "--served-model-name", MODEL, "--max-parallel", "4", "--threads", "1", "--log-level", "warning",
-                       "--drain-timeout", "5"]  # fmt: skip
-                workers_.append(Proc(f"worker-{i}", cmd, wenv, work / f"worker-{i}.log"))
+                args = ["worker", "--server-url", ",".join(order), "--api-key", key, "--model", model_dir,
+                        "--served-model-name", MODEL, "--max-parallel", "4", "--threads", "1", "--log-level",
+                        "warning", "--drain-timeout", "5"]  # fmt: skip
+                workers_.append(Proc(f"worker-{i}", args, wenv, work))
             procs = servers + workers_
-            for p in servers:
-                p.start()
-            _wait(lambda: all(_get(u, "/health") == 200 for u in urls), 60, "replicas")
-            for p in workers_:
-                p.start()
-            _wait(lambda: _offered(urls[0]) >= workers, 180, "workers")
+            started = {p.name: p.start() for p in servers}
+            wait_ready(lambda: all(answers(u) for u in urls), started, "replicas", 60, logs=work)
+            started = {p.name: p.start() for p in workers_}
+            wait_ready(lambda: _offered(urls[0]) >= workers, started, "workers", 180, logs=work)
             yield Cluster(urls, servers, workers_, redis)
         finally:
             for p in procs:
@@ -182,27 +164,12 @@ def cluster(work: Path, replicas: int, workers: int, model_dir: str, logs: Path 
                     shutil.copy(f, logs / f.name)
 
 
-def _get(url: str, path: str) -> int:
-    try:
-        return httpx.get(url + path, timeout=2).status_code
-    except httpx.HTTPError:
-        return 0
-
-
 def _offered(url: str) -> int:
     try:
         models = httpx.get(url + "/configs/model_configs", timeout=2).json()
     except (httpx.HTTPError, ValueError):
         return 0
     return sum(m["workers"] for m in models if m["name"] == MODEL) if isinstance(models, list) else 0
-
-
-def _wait(check: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} not ready after {timeout:.0f}s")
-        time.sleep(0.3)
 
 
 # ---- users ---------------------------------------------------------------------------------------
@@ -368,7 +335,7 @@ async def chaos(c: Cluster, tally: Tally, duration: float, every: tuple[float, f
             log.append(f"{at - start:6.1f}s {victim.name} killed")
             await asyncio.sleep(1.0 if victim in c.workers else 2.0)
             victim.start()
-        _say(f"{log[-1]} ({hit} streaming)")
+        say(f"{log[-1]} ({hit} streaming)")
     return log
 
 
@@ -388,10 +355,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 User(f"chaos-{i}", c.urls, tally, args.tokens, random.Random(rng.random())) for i in range(args.users)
             ]
             tasks = [asyncio.create_task(u.run(client, stop)) for u in users]
-            _say(f"{args.users} users chatting for {args.duration:.0f}s; killing every {args.kill_every}s")
+            say(f"{args.users} users chatting for {args.duration:.0f}s; killing every {args.kill_every}s")
             log = await chaos(c, tally, args.duration, every, rng)  # type: ignore[arg-type]
             stop.set()
-            _say(f"chaos over; letting every message end (up to {args.settle:.0f}s)")
+            say(f"chaos over; letting every message end (up to {args.settle:.0f}s)")
             _, running = await asyncio.wait(tasks, timeout=args.settle)
             for t in running:
                 t.cancel()

@@ -51,15 +51,13 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.exactness import _spawn, _stop, _wait_ready, prepare_model, vllm_python
+from benchmarks.models import prepare_model, vllm_python
+from benchmarks.progress import say
+from tokentrail.launcher import answers, free_port, offers, spawn, stop, wait_ready
 
 MODEL = "tiny"
 PROMPT = "Tell me a long story about a lighthouse keeper and the storm that changed the town."
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 # ---- measurements ---------------------------------------------------------------------------------
@@ -315,7 +313,7 @@ async def tokentrail_points(
             # the benchmark's own HTTP + SSE clients share the machine (the engine arm has none)
             point.cpu_s["client"] = time.process_time() - client_cpu
             points.append(point)
-            _say(f"  {arm} c={c}: {point.summary()['tokens_per_s']} tok/s")
+            say(f"  {arm} c={c}: {point.summary()['tokens_per_s']} tok/s")
         return points
 
 
@@ -331,7 +329,6 @@ def tokentrail_stack(
     """A server process and a worker process; yields (URL, {"server": pid, "worker": pid})."""
     from server.admin import issue_worker_key
     from server.settings import ServerSettings
-    from tokentrail.launcher import free_port
 
     data = work / "data"
     data.mkdir(exist_ok=True)
@@ -345,40 +342,36 @@ def tokentrail_stack(
     os.environ.update(env)
     try:
         if "TOKENTRAIL_DATABASE_URL" in env:
-            up = _spawn(["db", "upgrade"], work / "upgrade.log")
+            up = spawn(["db", "upgrade"], output=work / "upgrade.log")
             if up.wait(timeout=300) != 0:
                 raise RuntimeError((work / "upgrade.log").read_text()[-3000:])
         key = issue_worker_key(ServerSettings(migrate_on_start=True), "pipeline")
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        server = _spawn(["serve", "--port", str(port), "--log-level", "warning"], work / "server.log")
+        server = spawn(["serve", "--port", str(port), "--log-level", "warning"], output=work / "server.log")
         procs = {"server": server}
         try:
-            _wait_ready(url, procs, work, [])
+            wait_ready(lambda: answers(url), procs, "server", 180, logs=work)
             if worker_cmd is not None:
-                worker = subprocess.Popen(
-                    [*worker_cmd, "--server-url", url, "--api-key", key],
-                    stdout=open(work / "worker.log", "wb"),  # noqa: SIM115
-                    stderr=subprocess.STDOUT,
-                )
+                worker = spawn(["--server-url", url, "--api-key", key], program=worker_cmd, output=work / "worker.log")
             else:
-                python, extra, args = None, None, []
+                program, extra, args = None, None, []
                 if engine == "vllm":
-                    python, extra = vllm_python(), {"VLLM_CPU_KVCACHE_SPACE": "1"}
+                    program, extra = (vllm_python(), "-m", "tokentrail"), {"VLLM_CPU_KVCACHE_SPACE": "1"}
                     args = ["--max-model-len", "2048", "--gpu-memory-utilization", "0.2"]
-                worker = _spawn(
+                worker = spawn(
                     ["worker", "--server-url", url, "--api-key", key, "--model", model_dir, "--served-model-name",
                      MODEL, "--max-parallel", str(max_parallel), "--engine", engine, "--log-level", "warning", *args],
-                    work / "worker.log",
-                    python=python,
-                    extra_env=extra,
+                    program=program,
+                    output=work / "worker.log",
+                    env=extra,
                 )  # fmt: skip
             procs["worker"] = worker
-            _wait_ready(url, procs, work, [MODEL], 600 if engine == "vllm" else 180)
+            wait_ready(lambda: offers(url, [MODEL]), procs, "worker", 600 if engine == "vllm" else 180, logs=work)
             yield url, {name: p.pid for name, p in procs.items()}
         finally:
-            for p in reversed(procs.values()):
-                _stop(p)
+            for name, p in reversed(procs.items()):
+                stop(p, name)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -426,28 +419,17 @@ async def vllm_serve_points(url: str, pid: int, levels: list[int], tokens: int, 
 
 @contextlib.contextmanager
 def vllm_serve(work: Path, model_dir: str, max_seqs: int) -> Iterator[tuple[str, int]]:
-    from tokentrail.launcher import free_port
-
     port = free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-           "--served-model-name", MODEL, "--port", str(port), "--max-model-len", "2048",
-           "--max-num-seqs", str(max_seqs), "--gpu-memory-utilization", "0.2"]  # fmt: skip
-    with open(work / "vllm-serve.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    args = ["--model", model_dir, "--served-model-name", MODEL, "--port", str(port), "--max-model-len", "2048",
+            "--max-num-seqs", str(max_seqs), "--gpu-memory-utilization", "0.2"]  # fmt: skip
+    program = (vllm_python(), "-m", "vllm.entrypoints.openai.api_server")
+    proc = spawn(args, program=program, output=work / "vllm-serve.log", env={"VLLM_CPU_KVCACHE_SPACE": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError((work / "vllm-serve.log").read_text()[-3000:])
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(1)
+        wait_ready(lambda: answers(url), {"vllm-serve": proc}, "vllm serve", 600, logs=work)
         yield url, proc.pid
     finally:
-        _stop(proc)
+        stop(proc, "vllm serve")
 
 
 # ---- the synthetic engine (benchmark only) --------------------------------------------------------
@@ -688,16 +670,16 @@ def run(args: argparse.Namespace) -> list[Point]:
     with tempfile.TemporaryDirectory(prefix="tt-pipeline-") as tmp:
         work = Path(tmp)
         if "engine" in arms:
-            _say(f"engine alone ({args.engine})...")
+            say(f"engine alone ({args.engine})...")
             points += _engine_arm(args, model_dir, work)
         if "embedded" in arms:
-            _say("tokentrail embedded...")
+            say("tokentrail embedded...")
             sub = work / "embedded"
             sub.mkdir()
             with tokentrail_stack(sub, model_dir, max(levels), args.engine) as (url, pids):
                 points += asyncio.run(tokentrail_points("embedded", url, pids, levels, args.tokens, args.duration))
         if "redis" in arms:
-            _say("tokentrail on PostgreSQL + Redis...")
+            say("tokentrail on PostgreSQL + Redis...")
             sub = work / "redis"
             sub.mkdir()
             with (
@@ -709,7 +691,7 @@ def run(args: argparse.Namespace) -> list[Point]:
             ):
                 points += asyncio.run(tokentrail_points("redis", url, pids, levels, args.tokens, args.duration))
         if "vllm-serve" in arms and args.engine == "vllm":
-            _say("vllm serve...")
+            say("vllm serve...")
             with vllm_serve(work, model_dir, max(levels)) as (url, pid):
                 points += asyncio.run(vllm_serve_points(url, pid, levels, args.tokens, args.duration))
     return points

@@ -60,7 +60,8 @@ def embedded_stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Pat
     (hf engine, tiny model) connected over the websocket. Yields the server URL; the settings
     (for direct database access) are ``embedded_settings``."""
     from server.settings import ServerSettings
-    from tests.stack import MODEL, ServerThread, WorkerThread, free_port, worker_key
+    from tests.stack import MODEL, ServerThread, WorkerThread, worker_key
+    from tokentrail.launcher import free_port
     from worker.chat_format import ChatFormat
     from worker.engines.hf import HFEngine
 

@@ -33,6 +33,8 @@ from typing import Any, TypeVar
 
 import redis
 
+from tokentrail.launcher import free_port, spawn
+
 T = TypeVar("T")
 
 REDIS_DBS = (13, 14, 15, 12, 11, 10)  # tried in order; the first unlocked one is ours
@@ -42,13 +44,6 @@ REDIS_LOCK_TTL_S = 6 * 3600
 
 class ServiceUnavailable(Exception):
     """The service is neither reachable nor startable here; the message says why."""
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _run_async(coro: Coroutine[Any, Any, T]) -> T:
@@ -119,7 +114,7 @@ def _private_redis() -> Iterator[str]:
     binary = shutil.which("redis-server")
     if binary is None:
         raise ServiceUnavailable("Redis is not running on 127.0.0.1:6379 and redis-server is not installed")
-    port = _free_port()
+    port = free_port()
     workdir = tempfile.mkdtemp(prefix="tt-redis-")
     args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     log = open(Path(workdir) / "redis.log", "wb")  # noqa: SIM115 - closed in finally
@@ -166,18 +161,14 @@ class RestartableRedis:
         if binary is None:
             raise ServiceUnavailable("redis-server is not installed")
         self.binary = binary
-        self.port = _free_port()
+        self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="tt-sweep-redis-")
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> RestartableRedis:
         args = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", self.dir]
-        from tokentrail.launcher import die_with_parent
-
-        self.proc = subprocess.Popen(
-            [self.binary, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent
-        )
+        self.proc = spawn(args, program=(self.binary,), output=subprocess.DEVNULL, die_with_parent=True)
         deadline = time.monotonic() + 10
         while not _redis_answers(self.url):
             if time.monotonic() > deadline:
@@ -252,7 +243,7 @@ def _as_postgres_user(cmd: list[str]) -> list[str]:
 def _private_postgres() -> Iterator[int]:
     bindir = _pg_bin()
     workdir = Path(tempfile.mkdtemp(prefix="tt-pg-"))
-    data, port = workdir / "data", _free_port()
+    data, port = workdir / "data", free_port()
     if os.geteuid() == 0:
         shutil.chown(workdir, "postgres", "postgres")
     ctl = [str(bindir / "pg_ctl"), "-D", str(data), "-l", str(workdir / "postgres.log")]

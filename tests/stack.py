@@ -2,16 +2,13 @@
 
 ``ServerThread`` runs the real app under uvicorn on a free loopback port (real HTTP, SSE and
 websockets); ``WorkerThread`` runs a real worker client (its own event loop) against it.
-``spawn`` starts either as a separate ``python -m tokentrail`` process for multi-process tests.
+Multi-process tests start ``python -m tokentrail`` children with ``tokentrail.launcher.spawn``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +21,7 @@ import uvicorn
 from server.app import create_app
 from server.settings import ServerSettings
 from shared.protocol import PROTOCOL_VERSION, HelloFrame
+from tokentrail.launcher import free_port
 from worker.chat_format import ChatFormat
 from worker.client import WorkerClient, WorkerOptions
 from worker.engines.contract import Engine
@@ -36,14 +34,6 @@ def worker_key(settings: ServerSettings) -> str:
     from server.admin import issue_worker_key
 
     return issue_worker_key(settings, "test")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -138,17 +128,6 @@ class WorkerThread:
         if self._main is not None and not self.loop.is_closed():
             self.loop.call_soon_threadsafe(self._main.cancel)
         self.thread.join(timeout=15)
-
-
-def spawn(args: list[str], env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen[bytes]:
-    """``python -m tokentrail ARGS`` as a child process, output to ``log`` if given."""
-    out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 - closed with the process
-    return subprocess.Popen(
-        [sys.executable, "-m", "tokentrail", *args],
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-    )
 
 
 def start_reply(url: str, headers: dict[str, str], model: str, tokens: int, text: str = "go on") -> tuple[str, str]:

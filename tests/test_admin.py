@@ -18,7 +18,8 @@ import websockets
 
 from server.admin import issue_user_key, issue_worker_key
 from server.settings import ServerSettings
-from tests.stack import ServerThread, fake_hello, free_port, spawn, wait_for
+from tests.stack import ServerThread, fake_hello, wait_for
+from tokentrail.launcher import free_port, spawn
 
 MODEL = "admin-model"
 
@@ -35,7 +36,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerSe
 
 def _cli(settings: ServerSettings, *args: str, tmp: Path) -> Any:
     log = tmp / f"cli-{time.monotonic_ns()}.log"
-    proc = spawn(["admin", *args, "--data-dir", str(settings.data_dir)], log=log)
+    proc = spawn(["admin", *args, "--data-dir", str(settings.data_dir)], output=log)
     assert proc.wait(timeout=120) == 0, log.read_text()
     return json.loads(log.read_text())
 
@@ -123,17 +124,17 @@ def test_admin_workers_cli_and_json_logs(tmp_path: Path) -> None:
     admin_key = issue_user_key(settings, "ops", admin=True)
     server = spawn(
         ["serve", "--port", str(settings.port), "--data-dir", str(settings.data_dir), "--log-format", "json"],
-        log=tmp_path / "server.log",
+        output=tmp_path / "server.log",
     )
     try:
         url = f"http://127.0.0.1:{settings.port}"
         wait_for(lambda: _up(url), 60, "server")
         httpx.get(f"{url}/chats", headers={"Authorization": "Bearer nope"})  # an error worth a log line
         out = tmp_path / "workers.log"
-        assert spawn(["admin", "workers", "--server-url", url, "--api-key", admin_key], log=out).wait(60) == 0
+        assert spawn(["admin", "workers", "--server-url", url, "--api-key", admin_key], output=out).wait(60) == 0
         assert "no workers connected" in out.read_text()
         bad = tmp_path / "bad.log"
-        assert spawn(["admin", "workers", "--server-url", url, "--api-key", "wrong"], log=bad).wait(60) != 0
+        assert spawn(["admin", "workers", "--server-url", url, "--api-key", "wrong"], output=bad).wait(60) != 0
         assert "401" in bad.read_text()
     finally:
         server.terminate()

@@ -15,12 +15,13 @@ import httpx
 import pytest
 
 from server.settings import ServerSettings
-from tests.stack import MODEL, ServerThread, free_port, start_reply, wait_for, worker_key
+from tests.stack import MODEL, ServerThread, start_reply, wait_for, worker_key
 from tests.test_api_errors import expect
 from tests.test_e2e_embedded import events, login
 from tests.test_export import export
 from tests.test_limits import MODEL as IDLE_MODEL
 from tests.test_limits import IdleWorker
+from tokentrail.launcher import free_port
 
 
 def test_cancel_a_running_message_keeps_its_tokens(

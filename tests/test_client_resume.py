@@ -11,8 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.stack import MODEL, free_port
+from tests.stack import MODEL
 from text_client.client import ChatClient
+from tokentrail.launcher import free_port
 
 
 class DroppingProxy:

@@ -24,9 +24,10 @@ import httpx
 import pytest
 
 from tests import services
-from tests.stack import free_port, spawn, start_reply, wait_for
+from tests.stack import start_reply, wait_for
 from tests.test_e2e_embedded import login
 from text_client.sse import parse_sse
+from tokentrail.launcher import free_port, spawn
 
 pytestmark = [pytest.mark.redis, pytest.mark.postgres]
 
@@ -46,7 +47,7 @@ class Cluster:
     def worker(self, name: str, urls: list[str], model_dir: Path) -> None:
         args = ["worker", "--server-url", ",".join(urls), "--api-key", self.key, "--model", str(model_dir),
                 "--served-model-name", MODEL, "--max-parallel", "1", "--threads", "1"]  # fmt: skip
-        self.procs[name] = spawn(args, {**self.env, "OMP_NUM_THREADS": "1"}, self.tmp / f"{name}.log")
+        self.procs[name] = spawn(args, env={**self.env, "OMP_NUM_THREADS": "1"}, output=self.tmp / f"{name}.log")
 
     def log(self, name: str) -> str:
         return (self.tmp / f"{name}.log").read_text(errors="replace")
@@ -68,15 +69,15 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
             "TOKENTRAIL_ALLOW_DEBUG_AUTH": "true",
             "TOKENTRAIL_DATA_DIR": str(tmp_path),
         }
-        assert spawn(["db", "upgrade"], env, tmp_path / "upgrade.log").wait(timeout=120) == 0
-        made = spawn(["admin", "create-worker-key", "--name", "crash"], env, tmp_path / "key.log")
+        assert spawn(["db", "upgrade"], env=env, output=tmp_path / "upgrade.log").wait(timeout=120) == 0
+        made = spawn(["admin", "create-worker-key", "--name", "crash"], env=env, output=tmp_path / "key.log")
         assert made.wait(timeout=60) == 0
         key = (tmp_path / "key.log").read_text().split()[-1]
         ports = [free_port(), free_port()]
         c = Cluster([f"http://127.0.0.1:{p}" for p in ports], env, key, tmp_path)
         for i, port in enumerate(ports):
             args = ["serve", "--port", str(port), "--log-level", "warning"]
-            c.procs[f"server-{i}"] = spawn(args, env, tmp_path / f"server-{i}.log")
+            c.procs[f"server-{i}"] = spawn(args, env=env, output=tmp_path / f"server-{i}.log")
         try:
             wait_for(lambda: all(_status(u, "/health") == 200 for u in c.urls), 60, "replicas")
             yield c

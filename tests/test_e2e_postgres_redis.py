@@ -16,8 +16,9 @@ import httpx
 import pytest
 
 from server.settings import ServerSettings
-from tests.stack import MODEL, free_port, spawn, wait_for, worker_key
+from tests.stack import MODEL, wait_for, worker_key
 from tests.test_e2e_embedded import events, login
+from tokentrail.launcher import free_port, spawn
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.slow]
 
@@ -36,11 +37,11 @@ def cluster(
         "TOKENTRAIL_ALLOW_DEBUG_AUTH": "true",
         "TOKENTRAIL_DATA_DIR": str(tmp_path_factory.mktemp("data")),
     }
-    up = spawn(["db", "upgrade"], env=env, log=logs / "upgrade.log")
+    up = spawn(["db", "upgrade"], env=env, output=logs / "upgrade.log")
     assert up.wait(timeout=120) == 0, (logs / "upgrade.log").read_text()
     key = worker_key(ServerSettings(database_url=postgres_url, migrate_on_start=False))
     ports = [free_port(), free_port()]
-    procs = [spawn(["serve", "--port", str(p)], env=env, log=logs / f"server{p}.log") for p in ports]
+    procs = [spawn(["serve", "--port", str(p)], env=env, output=logs / f"server{p}.log") for p in ports]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     try:
         for url in urls:
@@ -49,7 +50,7 @@ def cluster(
             spawn(
                 ["worker", "--server-url", urls[0], "--api-key", key, "--model", str(tiny_model_dir),
                  "--served-model-name", MODEL, "--max-parallel", "4"],
-                log=logs / "worker.log",
+                output=logs / "worker.log",
             )
         )  # fmt: skip
 

@@ -75,8 +75,9 @@ def test_vllm_engine_contract(contract_model: Path) -> None:
 def test_vllm_worker_serves_a_chat(contract_model: Path, tmp_path: Path) -> None:
     """A real server (this env) and a `tokentrail worker --engine vllm` process (the vLLM env)."""
     from server.settings import ServerSettings
-    from tests.stack import ServerThread, free_port, wait_for, worker_key
+    from tests.stack import ServerThread, wait_for, worker_key
     from tests.test_e2e_embedded import events, login, turn
+    from tokentrail.launcher import free_port
 
     python = _require_vllm()
     settings = ServerSettings(data_dir=tmp_path, port=free_port())

@@ -1,10 +1,11 @@
-"""The pure metric functions of benchmarks/exactness.py, on small hand-made token lists."""
+"""The pure metric functions of the exactness benchmark (``benchmarks/exactness/metrics.py``), on small
+hand-made token lists."""
 
 from __future__ import annotations
 
 import math
 
-from benchmarks.exactness_metrics import (
+from benchmarks.exactness.metrics import (
     Agreement,
     PrefixCache,
     agreement,
@@ -203,7 +204,7 @@ def test_prefix_cache_is_none_without_counts_and_empty_without_later_turns() -> 
 
 
 def test_top_k_cut_ties_are_left_out_of_tfla_not_hidden() -> None:
-    from benchmarks.exactness_metrics import top_k_cut_tied
+    from benchmarks.exactness.metrics import top_k_cut_tied
 
     scores = [9.0, 8.0, 7.4365735, 7.4365730, 7.0]
     assert top_k_cut_tied(scores, 3)  # the 3rd and 4th tie within 1e-5

@@ -22,8 +22,9 @@ import websockets
 
 from server.settings import ServerSettings
 from shared.protocol import GenerationRecord, WorkFrame
-from tests.stack import ServerThread, fake_hello, free_port, start_reply, worker_key
+from tests.stack import ServerThread, fake_hello, start_reply, worker_key
 from tests.test_e2e_embedded import events, login
+from tokentrail.launcher import free_port
 
 MODEL = "hostile"
 VOCAB = 100

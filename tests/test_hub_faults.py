@@ -13,8 +13,9 @@ import pytest
 import redis
 
 from server.settings import ServerSettings
-from tests.stack import MODEL, ServerThread, WorkerThread, free_port, wait_for, worker_key
+from tests.stack import MODEL, ServerThread, WorkerThread, wait_for, worker_key
 from tests.test_e2e_embedded import events, login
+from tokentrail.launcher import free_port
 from worker.chat_format import ChatFormat
 from worker.engines.hf import HFEngine
 

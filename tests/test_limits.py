@@ -21,8 +21,9 @@ import websockets
 
 from server.chats.admission import RateLimiter
 from server.settings import ServerSettings
-from tests.stack import ServerThread, fake_hello, free_port, worker_key
+from tests.stack import ServerThread, fake_hello, worker_key
 from tests.test_e2e_embedded import login
+from tokentrail.launcher import free_port
 
 MODEL = "idle-model"
 

@@ -13,8 +13,9 @@ import httpx
 import pytest
 
 from server.settings import ServerSettings
-from tests.stack import ServerThread, WorkerThread, free_port, worker_key
+from tests.stack import ServerThread, WorkerThread, worker_key
 from tests.test_e2e_embedded import events
+from tokentrail.launcher import free_port
 from worker.chat_format import ChatFormat
 from worker.engines.hf import HFEngine
 

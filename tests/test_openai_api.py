@@ -20,8 +20,9 @@ import pytest
 
 from server.admin import issue_user_key
 from server.settings import ServerSettings
-from tests.stack import MODEL, ServerThread, WorkerThread, free_port, worker_key
+from tests.stack import MODEL, ServerThread, WorkerThread, worker_key
 from tests.test_export import run_cli
+from tokentrail.launcher import free_port
 from tokentrail.trajectory import Trajectory
 
 

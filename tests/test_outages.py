@@ -11,9 +11,10 @@ import pytest
 
 from server.settings import ServerSettings
 from tests.services import RestartableRedis
-from tests.stack import ServerThread, free_port, wait_for, worker_key
+from tests.stack import ServerThread, wait_for, worker_key
 from tests.test_e2e_embedded import login
 from tests.test_limits import IdleWorker, ask, new_turn
+from tokentrail.launcher import free_port
 
 pytestmark = [pytest.mark.redis]
 

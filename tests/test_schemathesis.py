@@ -16,7 +16,8 @@ import pytest
 
 from server.admin import issue_user_key
 from server.settings import ServerSettings
-from tests.stack import ServerThread, free_port
+from tests.stack import ServerThread
+from tokentrail.launcher import free_port
 
 pytestmark = [pytest.mark.postgres]
 

@@ -18,8 +18,9 @@ import httpx
 import pytest
 
 from server.settings import ServerSettings
-from tests.stack import ServerThread, free_port, start_reply, wait_for, worker_key
+from tests.stack import ServerThread, start_reply, wait_for, worker_key
 from tests.test_e2e_embedded import events, login
+from tokentrail.launcher import free_port
 
 MODEL = "drainer"
 

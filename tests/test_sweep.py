@@ -15,9 +15,10 @@ import pytest
 
 from server.settings import ServerSettings
 from tests.services import RestartableRedis
-from tests.stack import ServerThread, WorkerThread, free_port, wait_for, worker_key
+from tests.stack import ServerThread, WorkerThread, wait_for, worker_key
 from tests.test_e2e_embedded import events, login
 from tests.test_limits import MODEL, IdleWorker, ask, new_turn
+from tokentrail.launcher import free_port
 from worker.chat_format import ChatFormat
 from worker.engines.hf import HFEngine
 

@@ -17,9 +17,10 @@ from typer.testing import CliRunner
 
 from server.settings import ServerSettings
 from shared.protocol import PROTOCOL_VERSION
-from tests.stack import MODEL, ServerThread, WorkerThread, free_port, worker_key
+from tests.stack import MODEL, ServerThread, WorkerThread, worker_key
 from tests.test_e2e_embedded import events, login, turn
 from tokentrail.cli import app
+from tokentrail.launcher import free_port
 from worker.chat_format import ChatFormat
 from worker.client import FatalWorkerError, WorkerClient, WorkerOptions, websocket_url
 from worker.engines.contract import EngineInfo, GenerationParams, TokenStep

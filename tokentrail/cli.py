@@ -6,7 +6,7 @@ import typer
 
 from server.cli import admin_app, db_app, export, serve
 from text_client.cli import chat
-from tokentrail.launcher import demo, up
+from tokentrail.quickstart import demo, up
 from worker.cli import model_app, verify, worker
 
 app = typer.Typer(

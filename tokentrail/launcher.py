@@ -1,8 +1,8 @@
-"""``tokentrail up`` and ``tokentrail demo``: a server and a worker as child processes.
+"""Child processes of tokentrail, for ``tokentrail up``/``demo``, the benchmarks and the tests.
 
-Both run the real thing: the server process on embedded defaults (SQLite, in-process queue),
-a worker process with the tiny model connected over the websocket, and the demo's chat over
-HTTP and SSE. Children are stopped on exit, also on Ctrl-C.
+``spawn`` starts ``python -m tokentrail ARGS`` (or another program), ``wait_ready`` waits until a check
+passes while watching that the children live, ``stop`` asks a child to stop and kills it if it does not;
+``running_stack`` is a server and one worker on embedded defaults.
 """
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import httpx
-import typer
 
 from server.settings import ServerSettings
+
+_STOP_TIMEOUT_S = 15
+_PROGRESS_EVERY_S = 15
 
 
 def free_port() -> int:
@@ -29,31 +31,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker_key(data_dir: Path) -> str:
-    # imported here: the worker's environment (e.g. the vLLM venv) runs this CLI without the server's deps
-    from server.admin import issue_worker_key
-
-    return issue_worker_key(ServerSettings(data_dir=data_dir), "launcher")
-
-
-def _wait_until(
-    check: str, url: str, timeout_s: float, proc: subprocess.Popen[bytes], model: str | None = None
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{check} exited with code {proc.returncode}; see its output above")
-        with contextlib.suppress(httpx.HTTPError):
-            resp = httpx.get(url, timeout=2)
-            if resp.status_code == 200 and (model is None or any(m["name"] == model for m in resp.json())):
-                return
-        time.sleep(0.2)
-    raise RuntimeError(f"{check} not ready after {timeout_s:.0f}s")
-
-
-def die_with_parent() -> None:
+def _die_with_parent() -> None:
     """preexec_fn of a child process: the kernel sends it SIGTERM when this process dies, even by
-    SIGKILL (Linux ``PR_SET_PDEATHSIG``), so no child outlives ``tokentrail up``."""
+    SIGKILL (Linux ``PR_SET_PDEATHSIG``), so no child outlives its parent."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -65,136 +45,121 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _stop(proc: subprocess.Popen[bytes], name: str) -> None:
+def spawn(
+    args: Sequence[str],
+    *,
+    program: Sequence[str] | None = None,
+    output: Path | int | None = None,
+    append: bool = False,
+    env: Mapping[str, str] | None = None,
+    die_with_parent: bool = False,
+) -> subprocess.Popen[bytes]:
+    """``program ARGS`` (default ``python -m tokentrail``) as a child process.
+
+    ``output``: a log file for stdout and stderr (truncated, or appended to with ``append``),
+    ``subprocess.DEVNULL``, or None to share this process's. ``env`` is added to this process's
+    environment (with ``PYTHONUNBUFFERED=1``). ``die_with_parent`` sets ``PR_SET_PDEATHSIG``: opt-in,
+    since the signal follows the *thread* that spawned the child, not the process.
+    """
+    command = [*(program or (sys.executable, "-m", "tokentrail")), *args]
+    environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    preexec = _die_with_parent if die_with_parent else None  # only prctl: safe between fork and exec
+    if not isinstance(output, Path):
+        return subprocess.Popen(command, stdout=output, stderr=output, env=environ, preexec_fn=preexec)
+    with open(output, "ab" if append else "wb") as out:  # the child keeps its own descriptor
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=environ, preexec_fn=preexec)
+
+
+def stop(proc: subprocess.Popen[bytes], name: str) -> None:
+    """SIGINT (a server shuts down, a worker hands its work back), then SIGKILL after 15 s."""
     if proc.poll() is not None:
         return
     proc.send_signal(signal.SIGINT)
     try:
-        proc.wait(timeout=15)
+        proc.wait(timeout=_STOP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        typer.echo(f"{name} did not stop in 15s; killing it", err=True)
+        print(f"{name} did not stop in {_STOP_TIMEOUT_S}s; killing it", file=sys.stderr, flush=True)
         proc.kill()
         proc.wait()
 
 
+def answers(url: str) -> bool:
+    """Does the server at ``url`` answer ``/health``?"""
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    return False
+
+
+def offers(url: str, models: Sequence[str]) -> bool:
+    """Does the server at ``url`` offer every one of ``models`` (a worker serving each is connected)?"""
+    with contextlib.suppress(httpx.HTTPError, ValueError):
+        resp = httpx.get(f"{url}/configs/model_configs", timeout=2)
+        return resp.status_code == 200 and {m["name"] for m in resp.json()} >= set(models)
+    return False
+
+
+def wait_ready(
+    ready: Callable[[], bool],
+    procs: Mapping[str, subprocess.Popen[bytes]],
+    what: str,
+    timeout_s: float,
+    *,
+    logs: Path | None = None,
+    progress: bool = False,
+) -> None:
+    """Poll ``ready`` until it holds; raise RuntimeError if one of ``procs`` exits first (with the tail of
+    its log ``logs/NAME.log``, when the children log there) or after ``timeout_s``. ``progress`` says on
+    stderr every 15 s what is still awaited."""
+    start = time.monotonic()
+    deadline, report = start + timeout_s, start + _PROGRESS_EVERY_S
+    while time.monotonic() < deadline:
+        if progress and time.monotonic() >= report:
+            report += _PROGRESS_EVERY_S
+            print(f"waiting for {what}: {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+        for name, proc in procs.items():
+            if proc.poll() is not None:
+                if logs is None:
+                    raise RuntimeError(f"{name} exited with code {proc.returncode}; see its output above")
+                tail = (logs / f"{name}.log").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{name} exited with code {proc.returncode}:\n{tail}")
+        if ready():
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"{what} not ready after {timeout_s:.0f} s" + (f" (logs in {logs})" if logs else ""))
+
+
 @contextlib.contextmanager
 def running_stack(data_dir: Path, port: int, model: str, *, quiet: bool, max_parallel: int = 4) -> Iterator[str]:
-    """Start server + worker; yield the server URL once the worker's model is offered."""
+    """A server and a worker (``PR_SET_PDEATHSIG``: they die with this process); yields the server URL
+    once the worker's model is offered. Progress goes to stdout; ``quiet`` hides the children's output."""
+    # imported here: the worker's environment (e.g. the vLLM venv) runs the CLI without the server's deps
+    from server.admin import issue_worker_key
     from worker.tiny import resolve_model
 
     url = f"http://127.0.0.1:{port}"
-    typer.echo(f"preparing model {model!r} (built once, then cached)...")
+    print(f"preparing model {model!r} (built once, then cached)...", flush=True)
     model_path = resolve_model(model)
-    key = _worker_key(data_dir)
-    out = subprocess.DEVNULL if quiet else None
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    py = [sys.executable, "-m", "tokentrail"]
-    server = subprocess.Popen(
-        [*py, "serve", "--port", str(port), "--data-dir", str(data_dir), "--log-level", "warning"],
-        stdout=out,
-        stderr=out,
-        env=env,
-        preexec_fn=die_with_parent,  # only prctl: safe between fork and exec
+    key = issue_worker_key(ServerSettings(data_dir=data_dir), "launcher")
+    output = subprocess.DEVNULL if quiet else None
+    server = spawn(
+        ["serve", "--port", str(port), "--data-dir", str(data_dir), "--log-level", "warning"],
+        output=output,
+        die_with_parent=True,
     )
     worker: subprocess.Popen[bytes] | None = None
     try:
-        _wait_until("server", f"{url}/health", 60, server)
-        typer.echo(f"server up at {url} (database in {data_dir})")
-        worker = subprocess.Popen(
-            [*py, "worker", "--server-url", url, "--api-key", key, "--model", model_path,
-             "--served-model-name", model, "--max-parallel", str(max_parallel), "--log-level", "warning"],
-            stdout=out,
-            stderr=out,
-            env=env,
-            preexec_fn=die_with_parent,
+        wait_ready(lambda: answers(url), {"server": server}, "server", 60)
+        print(f"server up at {url} (database in {data_dir})", flush=True)
+        worker = spawn(
+            ["worker", "--server-url", url, "--api-key", key, "--model", model_path, "--served-model-name", model,
+             "--max-parallel", str(max_parallel), "--log-level", "warning"],
+            output=output,
+            die_with_parent=True,
         )  # fmt: skip
-        _wait_until("worker", f"{url}/configs/model_configs", 180, worker, model=model)
-        typer.echo(f"worker connected, serving {model!r}")
+        wait_ready(lambda: offers(url, [model]), {"worker": worker}, "worker", 180)
+        print(f"worker connected, serving {model!r}", flush=True)
         yield url
     finally:
         if worker is not None:
-            _stop(worker, "worker")
-        _stop(server, "server")
-
-
-def _interrupt(_signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt
-
-
-def up(
-    port: int = typer.Option(8000, help="Server port."),
-    data_dir: Path | None = typer.Option(
-        None, help="Where the SQLite database lives (default: ~/.local/share/tokentrail)."
-    ),
-    model: str = typer.Option("tiny", help="Model for the worker: 'tiny' or an HF model dir/id."),
-) -> None:
-    """Start a server and one worker on embedded defaults; Ctrl-C stops both."""
-    data_dir = data_dir or ServerSettings().data_dir
-    # Stop children on Ctrl-C and on `kill`, also when started in the background (SIGINT ignored).
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _interrupt)
-    with running_stack(data_dir, port, model, quiet=False) as url:
-        typer.echo(
-            f"\nready. chat in a browser: {url}/  or in a terminal: tokentrail chat --server-url {url}\nCtrl-C stops."
-        )
-        with contextlib.suppress(KeyboardInterrupt):
-            while True:
-                time.sleep(3600)
-
-
-DEMO_TURNS = (
-    "Hello! Who are you?",
-    "Tell me something about the weather in three short sentences.",
-    "Thanks. Can you summarize what we talked about?",
-)
-
-
-def demo(
-    max_new_tokens: int = typer.Option(40, help="Tokens per reply."),
-    model: str = typer.Option("tiny", help="Model for the worker."),
-    data_dir: Path | None = typer.Option(
-        None, help="Database folder (default: the embedded default, so `tokentrail export` finds the chat)."
-    ),
-    show_logs: bool = typer.Option(False, help="Show server and worker logs."),
-) -> None:
-    """Start a server and a worker, run a 3-turn chat over HTTP + SSE, print it, stop everything."""
-    from text_client.client import ChatClient
-
-    data_dir = data_dir or ServerSettings().data_dir
-    with running_stack(data_dir, free_port(), model, quiet=not show_logs) as url:
-        client = ChatClient(url)
-        try:
-            client.login_debug("demo")
-            chat = client.create_chat()
-            typer.echo(f"\nchat {chat['id']}\n")
-            parent: str | None = None
-            for turn, text in enumerate(DEMO_TURNS, start=1):
-                prompt = client.prompter_message(chat["id"], parent, text)
-                reply = client.assistant_message(
-                    chat["id"], prompt["id"], model,
-                    {"max_new_tokens": max_new_tokens, "temperature": 0.8, "seed": turn},
-                )  # fmt: skip
-                typer.echo(f"[turn {turn}] user> {text}")
-                typer.echo(f"[turn {turn}] assistant> ", nl=False)
-                streamed = 0
-                for event in client.events(chat["id"], reply["id"]):
-                    if event["event_type"] == "token":
-                        typer.echo(event["text"], nl=False)
-                        streamed += 1
-                    elif event["event_type"] == "error":
-                        raise RuntimeError(f"generation failed: {event['error']}")
-                final = client.message(chat["id"], reply["id"], tokens=True)
-                typer.echo(
-                    f"\n    tokens: prompt={len(final['prompt_token_ids'])} "
-                    f"completion={len(final['completion_token_ids'])} streamed={streamed} "
-                    f"finish={final['finish_reason']} reused_from_last_turn={final['reused_prefix_len']} "
-                    f"synthetic_closer={final['synthetic_token_count']}\n"
-                )
-                if final["completion_token_ids"] and len(final["completion_token_ids"]) != streamed:
-                    raise RuntimeError("streamed and stored token counts differ")
-                parent = reply["id"]
-        finally:
-            client.close()
-    typer.echo("demo finished; server and worker stopped. The chat is stored; as training data:")
-    typer.echo(f"  tokentrail export --out rollouts.jsonl --chat {chat['id']}")
-    typer.echo(f"  tokentrail verify rollouts.jsonl --model {model}")
+            stop(worker, "worker")
+        stop(server, "server")

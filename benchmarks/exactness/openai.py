@@ -1,4 +1,4 @@
-"""``exactness.py --api openai``: drive the scripted conversations through ``/v1/chat/completions``.
+"""``--api openai``: drive the scripted conversations through ``/v1/chat/completions``.
 
 The client is what an unmodified agent framework does: it keeps the conversation as OpenAI messages,
 sends all of them on every request (streamed, with logprobs), and echoes each assistant reply back as
@@ -17,7 +17,8 @@ from typing import Any
 
 import httpx
 
-from benchmarks.exactness import MAX_TOOL_ROUNDS, Conversation, Script, Turn
+from benchmarks.exactness.conversation import Conversation, Turn
+from benchmarks.exactness.script import MAX_TOOL_ROUNDS, Script
 from shared.protocol import WorkMessage
 
 _SAMPLING_NAMES = {"max_new_tokens": "max_tokens"}

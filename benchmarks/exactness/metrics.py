@@ -1,8 +1,8 @@
-"""Pure metric functions of ``benchmarks/exactness.py``: token lists in, verdicts and numbers out.
+"""Pure metric functions of the exactness benchmark: token lists in, verdicts and numbers out.
 
 Nothing here talks to a server, loads a tokenizer or runs a model; the benchmark renders and re-scores,
-then hands plain token ids and floats to these functions. The metric definitions are in the docstring of
-``benchmarks/exactness.py``.
+then hands plain token ids and floats to these functions. The metric definitions are in the package
+docstring (``benchmarks/exactness/__init__.py``).
 """
 
 from __future__ import annotations

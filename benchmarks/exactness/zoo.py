@@ -1,12 +1,12 @@
-"""``exactness.py --folder``: the stitch arm end to end on every real chat template, one row each.
+"""``--folder``: the stitch arm end to end on every real chat template, one row each.
 
 For each template (``benchmarks/template_zoo``: llama.cpp's ``models/templates`` and vLLM's examples,
 or any folder of ``.jinja`` files) a tiny model with that template and its tokenizer's special and
 added tokens is built and briefly trained on conversations rendered by the template itself
 (``--train-steps``, cached after the first run), so that it closes its turns, sometimes calls tools and
 sometimes runs into ``max_new_tokens``. One server runs for the whole folder; per template one worker
-(``--prompt-mode stitch``, ``--closer-policy``) serves the seeded scripts of ``exactness.py`` over real
-HTTP + SSE, then the worker stops and the stored tokens are evaluated as in ``exactness.py``
+(``--prompt-mode stitch``, ``--closer-policy``) serves the seeded scripts of the benchmark over real
+HTTP + SSE, then the worker stops and the stored tokens are evaluated as for the two arms
 (TEF, EPB, TFLA against an fp32 re-score, BF and synthetic-closer checks against an independent
 re-render).
 
@@ -21,25 +21,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.exactness import (
-    Evaluator,
-    Scorer,
-    Script,
-    _finite,
-    _say,
-    drive,
-    running_server,
-    running_workers,
-    stop_candidates,
-)
-from benchmarks.exactness_metrics import TFLA_TOLERANCE
+from benchmarks.exactness.driver import drive
+from benchmarks.exactness.evaluator import Evaluator
+from benchmarks.exactness.metrics import TFLA_TOLERANCE
+from benchmarks.exactness.processes import running_server, running_workers
+from benchmarks.exactness.report import finite
+from benchmarks.exactness.scorer import Scorer
+from benchmarks.exactness.script import Script, stop_candidates
+from benchmarks.progress import say
 from benchmarks.template_zoo import FAMILIES, SOURCES, ZooTemplate, load_folder, load_zoo, zoo_model
 from worker.chat_format import ChatFormat
 
@@ -182,7 +177,7 @@ def print_rows(config: dict[str, Any], rows: list[dict[str, Any]]) -> None:
             print(f"  {r['template']}: {r.get('error') or r['failure_examples'] or r['examples']}")
 
 
-def main(folder: str, only: str | None, opts: FolderOptions, as_json: bool) -> int:
+def run_folder(folder: str, only: str | None, opts: FolderOptions, as_json: bool) -> int:
     import tempfile
 
     templates = select(folder, only)
@@ -193,17 +188,13 @@ def main(folder: str, only: str | None, opts: FolderOptions, as_json: bool) -> i
         running_server(Path(tmp)) as (url, key),
     ):
         for i, template in enumerate(templates, 1):
-            _say(f"[{i}/{len(templates)}] {template.name}")
+            say(f"[{i}/{len(templates)}] {template.name}")
             rows.append(template_row(i, template, url, key, Path(tmp), opts))
             r = rows[-1]
-            _say(f"[{i}/{len(templates)}] {template.name}: {json.dumps(_finite(r))}")
+            say(f"[{i}/{len(templates)}] {template.name}: {json.dumps(finite(r))}")
     config = {**opts.__dict__, "folder": folder, "only": only, "wall_s": round(time.monotonic() - start, 1)}
     if as_json:
-        print(json.dumps(_finite({"config": config, "rows": rows}), indent=1))
+        print(json.dumps(finite({"config": config, "rows": rows}), indent=1))
     else:
         print_rows(config, rows)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit("run: python benchmarks/exactness.py --folder all")

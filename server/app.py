@@ -90,11 +90,17 @@ def create_app(settings: ServerSettings) -> FastAPI:
         streams: TokenStreams
         if settings.redis_url:
             from redis.asyncio import Redis
+            from redis.asyncio.retry import Retry
+            from redis.backoff import ExponentialBackoff
 
             from server.queue.redis import RedisWorkerDirectory, RedisWorkQueue
             from server.streams.redis import RedisTokenStreams
 
-            redis = Redis.from_url(settings.redis_url, max_connections=settings.redis_pool_size)
+            # A pooled connection that Redis closed while idle (a restart, CLIENT KILL, a timeout) fails
+            # its next command: try it again on a fresh connection, briefly, before calling Redis away.
+            # (Redis.from_url's pool does not take the client's default retry policy.)
+            retry = Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2)
+            redis = Redis.from_url(settings.redis_url, max_connections=settings.redis_pool_size, retry=retry)
             queue = RedisWorkQueue(redis, max_queue_size=settings.max_queue_size)
             directory = RedisWorkerDirectory(redis)
             streams = RedisTokenStreams(redis, expire_after_s=settings.token_stream_expire_s)

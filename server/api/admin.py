@@ -14,7 +14,8 @@ from fastapi.responses import StreamingResponse
 from server.admin import list_users, list_worker_keys, revoke_api_key, revoke_worker_key
 from server.api.deps import AdminUser, StateDep
 from server.errors import ApiError
-from server.export.rollouts import ExportFilters, iter_rollouts
+from server.export.query import ExportFilters
+from server.export.reader import iter_rollouts
 from shared.api import ApiKeyRead, UserRead, WorkerKeyRead, WorkerRead
 from shared.errors import ErrorCode
 

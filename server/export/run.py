@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from server.admin import open_database
-from server.export.rollouts import ExportFilters, count_chats, iter_rollouts
+from server.export.query import ExportFilters, count_chats
+from server.export.reader import iter_rollouts
 from server.export.writers import JsonlWriter, RecordWriter, open_writer
 from server.settings import ServerSettings
 

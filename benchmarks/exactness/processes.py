@@ -31,6 +31,7 @@ def running_server(work: Path) -> Iterator[tuple[str, str]]:
     proc = spawn(
         ["serve", "--port", url.rsplit(":", 1)[1], "--data-dir", str(data), "--log-level", "warning"],
         output=work / "server.log",
+        env={"TOKENTRAIL_RATE_LIMIT_PER_MINUTE": "0"},  # a load generator, not a user to be slowed down
     )
     try:
         wait_ready(lambda: answers(url), {"server": proc}, "server", 180, logs=work)

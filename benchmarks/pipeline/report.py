@@ -76,17 +76,15 @@ def ratios(points: Sequence[Point]) -> list[dict[str, Any]]:
 def checks(points: Sequence[Point], engine: str) -> list[dict[str, Any]]:
     """Issue 22's done-when figures, for whatever this run measured (the issue's are at c=8 and c=32)."""
     by = _index(points)
-    out: list[dict[str, Any]] = []
+    found: list[tuple[tuple[str, Key], dict[str, Any]]] = []
 
     def add(what: str, key: Key, value: float | None, target: str, met: bool | None) -> None:
         workload, stop, _, c = key
-        out.append({"check": what, "workload": workload, "stop": stop, "concurrency": c, "value": value,
-                    "target": target, "met": met})  # fmt: skip
+        row = {"check": what, "workload": workload, "stop": stop, "concurrency": c, "value": value, "target": target,
+               "met": met}  # fmt: skip
+        found.append(((what, key), row))
 
-    errors = {s["arm"]: s["errors"] for s in by.values() if s["errors"]}
-    out.append({"check": "errors in every point", "value": sum(errors.values()), "target": "0", "met": not errors,
-                "detail": errors})  # fmt: skip
-    for (arm, key), s in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    for (arm, key), s in by.items():
         workload, stop, api, c = key
         serve = by.get(("vllm-serve", key))
         if arm == "embedded" and api == "openai" and serve and engine == "vllm":
@@ -114,7 +112,11 @@ def checks(points: Sequence[Point], engine: str) -> list[dict[str, Any]]:
             if mine is not None and theirs is not None:
                 add(f"{arm}/{api} server CPU ms/token ÷ vllm serve API server's", key, _ratio(mine, theirs),
                     "<= 1.0", mine <= theirs)  # fmt: skip
-    return out
+    errors = {f"{s['arm']} {s['workload']} {s['stop']} c={s['concurrency']}": s["errors"] for s in by.values()}
+    failed = {k: v for k, v in errors.items() if v}
+    first = {"check": "errors in every point", "value": sum(failed.values()), "target": "0", "met": not failed,
+             "detail": failed}  # fmt: skip
+    return [first, *(row for _, row in sorted(found, key=lambda f: f[0]))]
 
 
 # ---- text -----------------------------------------------------------------------------------------
@@ -176,6 +178,13 @@ def print_report(points: Sequence[Point], engine: str) -> None:
     _table("agent loops: TTFT p50 (ms) by turn", head, [_by_turn_row(s, "ttft_p50_ms_by_turn", turns) for s in agents])
     rows = [_by_turn_row(s, "cached_share_by_turn", turns) for s in agents]
     _table("agent loops: cached / prompt tokens by turn", head, rows)
+    counted = [s for s in sums if s["counts"]]
+    if counted:
+        print("tokentrail's prompts (OpenAI route): how the worker built them, whether the request forked")
+        for s in counted:
+            rest = ", ".join(f"{k}={v}" for k, v in sorted(s["counts"].items()))
+            print(f"  {s['arm']} {_workload(s)} {s['stop']} c={s['concurrency']}: {rest}")
+        print()
     ident = ("arm", "workload", "stop", "concurrency")
     rows_r = ratios(points)
     if rows_r:

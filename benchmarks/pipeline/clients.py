@@ -221,9 +221,7 @@ async def measure(
         for c in levels:
             point = _point(arm, api, workload, c)
             window = Window(duration)
-            meter.start()
-            await closed_loop(point, window, c, workload, bound(point, window), key=api)
-            point.cpu_s = meter.stop()
+            await closed_loop(point, window, c, workload, bound(point, window), key=api, meter=meter)
             points.append(point)
             s = summary(point)
             say(

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks.pipeline.measure import Point, Window
+from benchmarks.pipeline.measure import CpuMeter, Point, Window
 
 MODEL = "tiny"
 PROMPT = "Tell me a long story about a lighthouse keeper and the storm that changed the town."
@@ -110,11 +110,13 @@ async def closed_loop(
     *,
     key: str = "",
     max_turns: int | None = None,
+    meter: CpuMeter | None = None,
 ) -> None:
     """``c`` clients, each running conversations one after another and each turn when the last one
     ended, until the window closes (or ``max_turns`` turns in all). ``turn(dialogue, slot)`` runs one
     turn (records its arrivals, counts it, calls ``finish_turn``); a turn that raises counts as an
-    error and its client starts a new conversation. The point's wall time is the window's."""
+    error and its client starts a new conversation. The point's wall time is the window's, and so is
+    its CPU (``meter``, read when the window closes: the turns still running then finish unmeasured)."""
     left = [max_turns]
 
     def more() -> bool:
@@ -137,5 +139,15 @@ async def closed_loop(
                     await asyncio.sleep(ERROR_PAUSE_S)
                     break
 
+    async def read_meter(m: CpuMeter) -> None:
+        await asyncio.sleep(max(0.0, window.end - time.perf_counter()))
+        point.cpu_s = m.stop()
+
+    reading = None
+    if meter is not None:
+        meter.start()
+        reading = asyncio.create_task(read_meter(meter))
     await asyncio.gather(*(client(k) for k in range(c)))
     point.wall_s = min(time.perf_counter(), window.end) - window.start
+    if reading is not None:
+        await reading

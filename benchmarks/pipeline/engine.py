@@ -88,9 +88,9 @@ async def engine_points(
             for c in levels:
                 point = Point("engine", "-", workload.kind, workload.stop, c, turns=workload.turns_per_conversation)
                 window = Window(duration)
-                meter.start()
-                await closed_loop(point, window, c, workload, bound(point, window, workload), key="openai")
-                point.cpu_s = meter.stop()
+                # the same conversations as the OpenAI front doors of this run
+                turn = bound(point, window, workload)
+                await closed_loop(point, window, c, workload, turn, key="openai", meter=meter)
                 points.append(point)
     finally:
         await engine.close()

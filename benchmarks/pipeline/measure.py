@@ -49,8 +49,9 @@ class Point:
         if not window.open:
             return
         self.errors += 1
-        if len(self.error_samples) < MAX_ERROR_SAMPLES:
-            self.error_samples.append(f"{type(exc).__name__}: {exc}"[:300])
+        text = f"{type(exc).__name__}: {exc}"[:300]
+        if len(self.error_samples) < MAX_ERROR_SAMPLES and text not in self.error_samples:
+            self.error_samples.append(text)
 
     def usage(self, turn: int, prompt_tokens: int | None, cached_tokens: int | None) -> None:
         """Prompt and cached tokens of a turn (1-based) that completed inside the window."""

@@ -214,8 +214,11 @@ async def measure(
         def bound(point: Point, window: Window, w: Workload = workload) -> Callable[[Dialogue, int], Awaitable[None]]:
             return lambda d, slot: turn(point, window, w, d, slot)
 
-        warm, forever = _point(arm, api, workload, 1), Window(1e9)
-        await closed_loop(warm, forever, 1, workload, bound(warm, forever), key=f"warm-{api}", max_turns=WARMUP_TURNS)
+        # warm-up: the highest concurrency, about two turns per client (connections, batch shapes, stitching)
+        top = max(levels)
+        warm, forever = _point(arm, api, workload, top), Window(1e9)
+        turns = WARMUP_TURNS * top
+        await closed_loop(warm, forever, top, workload, bound(warm, forever), key=f"warm-{api}", max_turns=turns)
         if warm.errors:
             say(f"  {arm}/{api} warm-up failed: {warm.error_samples[0]}")
         for c in levels:

@@ -125,7 +125,9 @@ async def closed_loop(
     async def client(slot: int) -> None:
         n = 0
         while more():
-            dialogue = Dialogue(workload, f"{key}:{point.concurrency}:{slot}:{n}")
+            # unique per front door, workload, stop, level, client and conversation: no conversation of a
+            # run repeats another one's messages on the same stack (its prefix index, the engine's cache)
+            dialogue = Dialogue(workload, f"{key}:{workload.kind}:{workload.stop}:{point.concurrency}:{slot}:{n}")
             n += 1
             while not dialogue.done and more():
                 if left[0] is not None:

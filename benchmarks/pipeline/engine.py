@@ -81,10 +81,10 @@ async def engine_points(
     meter = CpuMeter([Role("engine", os.getpid(), "engine_core")])
     try:
         for workload in workloads:
-            warm, forever = Point("engine", "-", workload.kind, workload.stop, 1), Window(1e9)
-            await closed_loop(
-                warm, forever, 1, workload, bound(warm, forever, workload), key="warm-engine", max_turns=2
-            )
+            top = max(levels)  # warm-up: the highest concurrency, about two turns per client
+            warm, forever = Point("engine", "-", workload.kind, workload.stop, top), Window(1e9)
+            turn = bound(warm, forever, workload)
+            await closed_loop(warm, forever, top, workload, turn, key="warm-engine", max_turns=2 * top)
             for c in levels:
                 point = Point("engine", "-", workload.kind, workload.stop, c, turns=workload.turns_per_conversation)
                 window = Window(duration)

@@ -34,15 +34,35 @@ def test_engine_and_embedded_arms_report_throughput_latency_and_cpu(tiny_model_d
         "--duration", "1.5", "--tokens", "8",
     )  # fmt: skip
     points = {(p["arm"], p["concurrency"]): p for p in data["points"]}
-    assert set(points) == {("engine", 1), ("engine", 2), ("embedded", 1), ("embedded", 2)}
+    assert set(points) == {("engine", 1), ("engine", 2), ("embedded/oa", 1), ("embedded/oa", 2)}
     for p in points.values():
         assert p["tokens_per_s"] > 0 and p["requests"] > 0 and p["ttft_p50_ms"] is not None
+        assert p["errors"] == 0 and (p["workload"], p["stop"]) == ("single", "fixed")
     for c in (1, 2):
         assert "engine_cpu_ms_per_token" in points[("engine", c)]
-        embedded = points[("embedded", c)]
+        embedded = points[("embedded/oa", c)]
         assert {"server_cpu_ms_per_token", "worker_cpu_ms_per_token", "client_cpu_ms_per_token"} <= set(embedded)
     ratios = {r["concurrency"]: r for r in data["ratios"]}
     assert set(ratios) == {1, 2} and all(r["x_engine"] > 0 for r in ratios.values())
+
+
+def test_openai_agent_loops_report_turns_usage_and_checks(tiny_model_dir: Path) -> None:
+    data = _run(
+        "--model-dir", str(tiny_model_dir), "--arms", "engine,embedded", "--api", "openai", "--workload", "agent",
+        "--turns", "2", "--stop", "natural", "--concurrency", "2", "--duration", "1.5", "--tokens", "8",
+    )  # fmt: skip
+    points = {p["arm"]: p for p in data["points"]}
+    assert set(points) == {"engine", "embedded/openai"}
+    for p in points.values():
+        assert (p["workload"], p["stop"], p["turns_per_conversation"]) == ("agent", "natural", 2)
+        assert p["errors"] == 0 and p["requests"] > 0 and p["tokens_per_s"] > 0
+        assert len(p["ttft_p50_ms_by_turn"]) == 2 and p["ttft_p50_ms_by_turn"][0] is not None
+        first, second = p["prompt_tokens_mean_by_turn"]
+        assert second is None or second > first  # the history is echoed back
+    assert {"server_cpu_ms_per_token", "worker_cpu_ms_per_token"} <= set(points["embedded/openai"])
+    [row] = data["ratios"]
+    assert row["arm"] == "embedded/openai" and row["x_engine"] > 0
+    assert any("hf engine alone" in c["check"] for c in data["checks"])
 
 
 def test_ceiling_mode_fans_out_synthetic_tokens_to_every_reader(tiny_model_dir: Path) -> None:
@@ -51,5 +71,5 @@ def test_ceiling_mode_fans_out_synthetic_tokens_to_every_reader(tiny_model_dir: 
         "--duration", "1.5", "--tokens", "200",
     )  # fmt: skip
     [point] = data["points"]
-    assert point["arm"] == "synthetic" and point["tokens_per_s"] > 0
+    assert point["arm"] == "synthetic/oa" and point["tokens_per_s"] > 0
     assert point["server_cpu_ms_per_token"] > 0

@@ -1,0 +1,214 @@
+"""What tokentrail's pipeline costs on top of its engine, and against ``vllm serve``: the same model,
+conversations, sampling and closed-loop concurrency for every arm, one arm at a time.
+
+    python benchmarks/pipeline.py [--engine hf|vllm] [--arms engine,embedded,redis,vllm-serve]
+        [--api oa,openai] [--workload single,agent] [--turns 8] [--stop fixed,natural] [--tokens 64]
+        [--concurrency 1,8,32] [--duration 20] [--seed-requests] [--run-seed N] [--json] [--plot FILE.png]
+    python benchmarks/pipeline.py --ceiling [--concurrency 32] [--readers 4] [--duration 10]
+    python benchmarks/pipeline.py --prompt-build
+    python benchmarks/pipeline.py --idle-streams 5000
+
+Arms (each a fresh process tree, started after the previous one stopped):
+
+- ``engine``: the engine alone in a process of its own, ``c`` tasks calling ``engine.generate``;
+- ``embedded``: tokentrail on embedded defaults (SQLite, in-process queue and streams), a server process
+  and a worker process;
+- ``redis``: the same on PostgreSQL + Redis (a fresh database, dropped afterwards);
+- ``vllm-serve`` (``--engine vllm``): ``vllm serve`` on the same model, driven with the same OpenAI
+  request bodies as tokentrail's ``openai`` front door (plus ``return_token_ids``), with prompt-token
+  details on so that prefix-cache hits compare.
+
+Dimensions (each a comma list; every combination is a row): ``--api`` the tokentrail arms' front door
+(``oa``: prompter message, assistant message, SSE; ``openai``: streamed ``/v1/chat/completions`` with a
+user API key); ``--workload`` ``single`` (one turn per conversation, the same prompt) or ``agent``
+(``--turns``-turn closed-loop conversations echoing the history back as received, ~20-word user turns);
+``--stop`` ``fixed`` (exactly ``--tokens`` tokens, end tokens ignored) or ``natural`` (at most
+``--tokens``, the model's end token honoured). Temperature 1; no sampling seed unless
+``--seed-requests``.
+
+Printed per arm, front door, workload, stop and concurrency: tokens/s delivered to clients, turns done,
+errors (a failed turn is counted and its client starts a new conversation), TTFT p50/p99 (the turn's
+first request sent to its first token received), inter-token gap p50/p99, for agent loops TTFT p50 and
+cached ÷ prompt tokens by turn; CPU ms per token of each process: the tokentrail server, the worker
+process alone, the engine's child processes (vLLM's engine core and model runner), ``vllm serve``'s
+API-server process alone, the engine-alone process, the benchmark's own clients, PostgreSQL + Redis.
+Then the ratios (÷ the engine alone, ÷ ``vllm serve``, PostgreSQL + Redis ÷ embedded, server CPU ÷
+``vllm serve``'s API server, TTFT per turn ÷ ``vllm serve``'s) and issue 22's done-when comparisons.
+
+``--ceiling`` measures the pipeline without a model: a benchmark-only synthetic engine (in a worker
+process started by this script; not part of tokentrail) emits tokens as fast as the pipeline takes
+them, ``--readers`` SSE readers follow each message (OA flow). ``--prompt-build`` times the next turn's
+prompt build after 1k / 8k / 32k-token histories. ``--idle-streams N`` holds N SSE readers on one slow
+message: the server's memory per reader.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from benchmarks.models import prepare_model
+from benchmarks.pipeline.clients import drive_tokentrail, drive_vllm_serve
+from benchmarks.pipeline.conversation import Workload
+from benchmarks.pipeline.measure import CpuMeter, Point, Role, summary
+from benchmarks.pipeline.report import checks, plot, print_report, ratios
+from benchmarks.pipeline.stack import engine_process, postgres_and_redis, tokentrail_stack, vllm_serve
+from benchmarks.progress import say
+
+ARMS = ("engine", "embedded", "redis", "vllm-serve")
+APIS = ("oa", "openai")
+
+
+def _list(value: str, allowed: tuple[str, ...], flag: str) -> list[str]:
+    items = [x for x in value.split(",") if x]
+    bad = [x for x in items if x not in allowed]
+    if bad or not items:
+        raise SystemExit(f"{flag}: {value!r}: choose from {', '.join(allowed)} (comma-separated)")
+    return items
+
+
+def _levels(args: argparse.Namespace) -> list[int]:
+    return [int(c) for c in args.concurrency.split(",")]
+
+
+def workloads(args: argparse.Namespace) -> list[Workload]:
+    return [
+        Workload(kind, args.turns, stop, args.tokens, args.seed_requests, args.run_seed)
+        for kind in _list(args.workload, ("single", "agent"), "--workload")
+        for stop in _list(args.stop, ("fixed", "natural"), "--stop")
+    ]
+
+
+def _child_args(args: argparse.Namespace, model_dir: str) -> list[str]:
+    """The engine child's command line: the same workloads."""
+    out = ["--engine", args.engine, "--model-dir", model_dir, "--concurrency", args.concurrency, "--tokens",
+           str(args.tokens), "--duration", str(args.duration), "--workload", args.workload, "--stop", args.stop,
+           "--turns", str(args.turns), "--run-seed", str(args.run_seed)]  # fmt: skip
+    return [*out, "--seed-requests"] if args.seed_requests else out
+
+
+def run(args: argparse.Namespace) -> list[Point]:
+    """The arms in the order given, strictly one after another (never two stacks alive at once)."""
+    levels = _levels(args)
+    arms = _list(args.arms, ARMS, "--arms")
+    apis = _list(args.api, APIS, "--api")
+    loads = workloads(args)
+    model_dir = args.model_dir or prepare_model("chatml")
+    points: list[Point] = []
+    with tempfile.TemporaryDirectory(prefix="tt-pipeline-") as tmp:
+        work = Path(tmp)
+        for arm in arms:
+            sub = work / arm
+            sub.mkdir()
+            if arm == "engine":
+                say(f"engine alone ({args.engine})...")
+                points += engine_process(args.engine, _child_args(args, model_dir), sub)
+            elif arm in ("embedded", "redis"):
+                say(f"tokentrail {'embedded' if arm == 'embedded' else 'on PostgreSQL + Redis'} ({args.engine})...")
+                services: contextlib.AbstractContextManager[dict[str, str]] = (
+                    postgres_and_redis() if arm == "redis" else contextlib.nullcontext({})
+                )
+                with services as env, tokentrail_stack(sub, model_dir, max(levels), args.engine, env) as stack:
+                    roles = [Role("server", stack.pids["server"]), Role("worker", stack.pids["worker"], "engine_core")]
+                    meter = CpuMeter(roles, services=arm == "redis", client=True)
+                    points += asyncio.run(
+                        drive_tokentrail(arm, stack.url, stack.user_key, meter, apis, loads, levels, args.duration)
+                    )
+            elif args.engine != "vllm":
+                say("vllm-serve: skipped (it runs with --engine vllm)")
+            else:
+                say("vllm serve...")
+                with vllm_serve(sub, model_dir, max(levels)) as (url, pid):
+                    meter = CpuMeter([Role("vllm_api", pid, "engine_core")], client=True)
+                    points += asyncio.run(drive_vllm_serve(url, meter, loads, levels, args.duration))
+    return points
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", choices=["hf", "vllm"], default="hf")
+    ap.add_argument("--arms", default="engine,embedded,redis,vllm-serve", help="run in this order, one at a time")
+    ap.add_argument("--api", default="oa", help="the tokentrail arms' front door(s): oa, openai (comma-separated)")
+    ap.add_argument("--workload", default="single", help="single, agent (comma-separated)")
+    ap.add_argument("--turns", type=int, default=8, help="turns per agent conversation")
+    ap.add_argument("--stop", default="fixed", help="fixed (exactly --tokens), natural (at most; comma-separated)")
+    ap.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens per reply: exactly (fixed) or at most (natural)")
+    ap.add_argument("--duration", type=float, default=20.0, help="seconds measured per point")
+    ap.add_argument("--seed-requests", action="store_true", help="send a sampling seed with every request")
+    ap.add_argument("--run-seed", type=int, help="seed of the agent loops' user messages (default: random)")
+    ap.add_argument("--model-dir", help="default: the trained tiny chatml model (built once, cached)")
+    ap.add_argument("--ceiling", action="store_true", help="the pipeline's own ceiling with a synthetic engine")
+    ap.add_argument("--readers", type=int, default=4, help="--ceiling: SSE readers per message")
+    ap.add_argument("--prompt-build", action="store_true", help="time prompt builds after 1k / 8k / 32k tokens")
+    ap.add_argument("--idle-streams", type=int, default=0, help="server memory per connected SSE reader (e.g. 5000)")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--plot", type=Path, help="write a PNG of tokens/s and TTFT against concurrency (matplotlib)")
+    ap.add_argument("--engine-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--synthetic-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--server-url", help=argparse.SUPPRESS)
+    ap.add_argument("--api-key", help=argparse.SUPPRESS)
+    ap.add_argument("--capacity", type=int, default=32, help=argparse.SUPPRESS)
+    ap.add_argument("--rate", type=float, default=0.0, help=argparse.SUPPRESS)
+    return ap
+
+
+def main() -> int:
+    args = parser().parse_args()
+    if args.run_seed is None:
+        args.run_seed = random.SystemRandom().randrange(2**31)
+    if args.engine_child:
+        from benchmarks.pipeline.engine import engine_points
+
+        points = asyncio.run(engine_points(args.engine, args.model_dir, workloads(args), _levels(args), args.duration))
+        print(json.dumps([asdict(p) for p in points]))
+        return 0
+    if args.synthetic_worker:
+        from benchmarks.pipeline.modes import run_synthetic_worker
+
+        run_synthetic_worker(args.server_url, args.api_key, args.model_dir, args.capacity, args.rate)
+        return 0
+    if args.idle_streams:
+        from benchmarks.pipeline.modes import run_idle
+
+        result = run_idle(args.model_dir or prepare_model("chatml"), args.idle_streams)
+        print(json.dumps(result) if args.json else ", ".join(f"{k}={v}" for k, v in result.items()))
+        return 0
+    if args.prompt_build:
+        from benchmarks.pipeline.modes import prompt_build_rows
+
+        rows = prompt_build_rows(args.model_dir or prepare_model("chatml"), (1_000, 8_000, 32_000))
+        print(json.dumps(rows) if args.json else "\n".join(", ".join(f"{k}={v}" for k, v in r.items()) for r in rows))
+        return 0
+    if args.ceiling:
+        from benchmarks.pipeline.modes import run_ceiling
+
+        tokens = args.tokens if args.tokens != 64 else 2048
+        model_dir = args.model_dir or prepare_model("chatml")
+        points = run_ceiling(model_dir, _levels(args), tokens, args.duration, args.readers)
+    else:
+        say(f"run seed {args.run_seed} (--run-seed)")
+        points = run(args)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "engine": args.engine,
+                    "run_seed": args.run_seed,
+                    "points": [summary(p) for p in points],
+                    "ratios": ratios(points),
+                    "checks": checks(points, args.engine),
+                }
+            )
+        )
+    else:
+        print_report(points, args.engine)
+    if args.plot:
+        plot(points, args.plot)
+    return 0

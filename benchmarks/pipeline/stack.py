@@ -1,0 +1,139 @@
+"""The processes an arm runs in, each started fresh and stopped before the next arm starts: a tokentrail
+server and worker (embedded or on PostgreSQL + Redis), ``vllm serve``, the engine-alone child."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.models import vllm_python
+from benchmarks.pipeline.conversation import MODEL
+from benchmarks.pipeline.measure import Point
+from tokentrail.launcher import answers, free_port, offers, spawn, stop, wait_ready
+
+ENTRY = Path(__file__).resolve().parent.parent / "pipeline.py"  # the command, for child processes
+MAX_MODEL_LEN = 2048
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+@dataclass(frozen=True)
+class Stack:
+    url: str
+    pids: dict[str, int]  # server, worker
+    user_key: str  # an API key of the benchmark's user (the OpenAI route)
+
+
+@contextlib.contextmanager
+def tokentrail_stack(
+    work: Path,
+    model_dir: str,
+    max_parallel: int,
+    engine: str,
+    env: dict[str, str] | None = None,
+    worker_cmd: list[str] | None = None,
+) -> Iterator[Stack]:
+    """A server process and a worker process (``worker_cmd``: another worker program)."""
+    from server.admin import issue_user_key, issue_worker_key
+    from server.settings import ServerSettings
+
+    data = work / "data"
+    data.mkdir(exist_ok=True)
+    env = {
+        "TOKENTRAIL_DATA_DIR": str(data),
+        "TOKENTRAIL_ALLOW_DEBUG_AUTH": "true",
+        "TOKENTRAIL_RATE_LIMIT_PER_MINUTE": "0",  # a load generator, not a user to be slowed down
+        **(env or {}),
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        if "TOKENTRAIL_DATABASE_URL" in env:
+            up = spawn(["db", "upgrade"], output=work / "upgrade.log")
+            if up.wait(timeout=300) != 0:
+                raise RuntimeError((work / "upgrade.log").read_text()[-3000:])
+        key = issue_worker_key(ServerSettings(migrate_on_start=True), "pipeline")
+        user_key = issue_user_key(ServerSettings(migrate_on_start=True), "pipeline-bench")
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        server = spawn(["serve", "--port", str(port), "--log-level", "warning"], output=work / "server.log")
+        procs = {"server": server}
+        try:
+            wait_ready(lambda: answers(url), procs, "server", 180, logs=work)
+            if worker_cmd is not None:
+                worker = spawn(["--server-url", url, "--api-key", key], program=worker_cmd, output=work / "worker.log")
+            else:
+                program, extra, args = None, None, []
+                if engine == "vllm":
+                    program, extra = (vllm_python(), "-m", "tokentrail"), VLLM_ENV
+                    args = ["--max-model-len", str(MAX_MODEL_LEN), "--gpu-memory-utilization", "0.2"]
+                worker = spawn(
+                    ["worker", "--server-url", url, "--api-key", key, "--model", model_dir, "--served-model-name",
+                     MODEL, "--max-parallel", str(max_parallel), "--engine", engine, "--log-level", "warning", *args],
+                    program=program,
+                    output=work / "worker.log",
+                    env=extra,
+                )  # fmt: skip
+            procs["worker"] = worker
+            wait_ready(lambda: offers(url, [MODEL]), procs, "worker", 600 if engine == "vllm" else 180, logs=work)
+            yield Stack(url, {name: p.pid for name, p in procs.items()}, user_key)
+        finally:
+            for name, p in reversed(procs.items()):
+                stop(p, name)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def postgres_and_redis() -> Iterator[dict[str, str]]:
+    """A fresh PostgreSQL database (dropped afterwards) and a Redis database of its own."""
+    from tests import services
+
+    with services.postgres_service() as pg, services.redis_service() as rd:
+        yield {
+            "TOKENTRAIL_DATABASE_URL": pg,
+            "TOKENTRAIL_REDIS_URL": rd,
+            "TOKENTRAIL_AUTH_SECRET": "pipeline-benchmark-secret-0123456789",
+        }
+
+
+@contextlib.contextmanager
+def vllm_serve(work: Path, model_dir: str, max_seqs: int) -> Iterator[tuple[str, int]]:
+    """``vllm serve`` on the model as the vLLM worker runs it (same context, KV space, prefix caching on
+    as vLLM's default), ``--max-num-seqs`` = the highest concurrency, prompt-token details in usage so
+    that cache hits compare. Its per-request access log is off (tokentrail's server logs warnings only)."""
+    port = free_port()
+    args = ["--model", model_dir, "--served-model-name", MODEL, "--port", str(port),
+            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(max_seqs), "--gpu-memory-utilization", "0.2",
+            "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]  # fmt: skip
+    program = (vllm_python(), "-m", "vllm.entrypoints.openai.api_server")
+    proc = spawn(args, program=program, output=work / "vllm-serve.log", env=VLLM_ENV)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(lambda: answers(url), {"vllm-serve": proc}, "vllm serve", 600, logs=work)
+        yield url, proc.pid
+    finally:
+        stop(proc, "vllm serve")
+
+
+def engine_process(engine: str, child_args: list[str], work: Path) -> list[Point]:
+    """The engine-alone arm: this script with ``--engine-child`` in the engine's environment; its points
+    come back as one JSON line on stdout."""
+    python = vllm_python() if engine == "vllm" else sys.executable
+    cmd = [python, str(ENTRY), "--engine-child", *child_args]
+    with open(work / "engine.log", "wb") as log:
+        out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, env={**os.environ, **VLLM_ENV}, check=False)
+    if out.returncode != 0:
+        raise RuntimeError((work / "engine.log").read_text()[-3000:])
+    # vLLM logs to stdout too (its shutdown comes after the figures): take the figures' line
+    line = next(x for x in out.stdout.decode().splitlines() if x.startswith("[{"))
+    return [Point(**p) for p in json.loads(line)]

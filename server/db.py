@@ -19,11 +19,19 @@ def ensure_sqlite_dir(url: str) -> None:
         Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
 
 
-def create_engine(url: str) -> AsyncEngine:
+def create_engine(url: str, *, inline: bool = True) -> AsyncEngine:
+    """The engine of ``url``. SQLite runs its statements in the calling thread (``server/sqlite_inline.py``)
+    unless ``inline`` is off: long reads (an export through the API) take aiosqlite's worker thread so
+    that the event loop keeps serving meanwhile."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         ensure_sqlite_dir(url)
-        engine = create_async_engine(url, connect_args={"timeout": 30})
+        if inline:
+            from server.sqlite_inline import inline_connector
+
+            engine = create_async_engine(url, async_creator=inline_connector(parsed.database or ":memory:", 30))
+        else:
+            engine = create_async_engine(url, connect_args={"timeout": 30})
 
         @event.listens_for(engine.sync_engine, "connect")
         def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -37,6 +45,10 @@ def create_engine(url: str) -> AsyncEngine:
 
         return engine
     return create_async_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+
+
+def is_sqlite(url: str) -> bool:
+    return make_url(url).get_backend_name() == "sqlite"
 
 
 def create_session_factory(engine: AsyncEngine) -> SessionFactory:

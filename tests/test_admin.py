@@ -45,8 +45,8 @@ async def _worker_session(url: str, key: str, received: list[dict[str, Any]]) ->
     """Say hello, heartbeat until the server closes the connection; return its close code."""
     ws_url = url.replace("http://", "ws://") + "/workers/work"
     async with websockets.connect(ws_url, additional_headers={"Authorization": f"Bearer {key}"}) as ws:
-        await ws.send(fake_hello(MODEL, capacity=3).model_dump_json())
-        try:
+        try:  # a revoked key is refused before the hello is read: sending it may fail already
+            await ws.send(fake_hello(MODEL, capacity=3).model_dump_json())
             while True:
                 try:
                     received.append(json.loads(await asyncio.wait_for(ws.recv(), timeout=0.3)))

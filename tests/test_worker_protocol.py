@@ -44,7 +44,8 @@ def hello(version: int = PROTOCOL_VERSION) -> str:
 
 async def _handshake(url: str, key: str, frame: str) -> tuple[dict[str, Any], int | None]:
     async with websockets.connect(websocket_url(url), additional_headers={"Authorization": f"Bearer {key}"}) as ws:
-        await ws.send(frame)
+        with contextlib.suppress(websockets.ConnectionClosed):  # a bad key is refused before the hello
+            await ws.send(frame)
         reply = json.loads(await ws.recv())
         with contextlib.suppress(websockets.ConnectionClosed):
             await asyncio.wait_for(ws.recv(), timeout=5)  # the server closes after its error frame

@@ -13,6 +13,7 @@ from fastapi.responses import StreamingResponse
 
 from server.admin import list_users, list_worker_keys, revoke_api_key, revoke_worker_key
 from server.api.deps import AdminUser, StateDep
+from server.db import create_engine, create_session_factory, is_sqlite
 from server.errors import ApiError
 from server.export.query import ExportFilters
 from server.export.reader import iter_rollouts
@@ -59,9 +60,17 @@ async def export(
     )
 
     async def lines() -> AsyncIterator[bytes]:
-        async for rollout in iter_rollouts(state.sessions, filters):
-            for record in adapt(rollout, schema):
-                yield orjson.dumps(record) + b"\n"
+        url = state.settings.effective_database_url
+        # SQLite: the export reads batches on aiosqlite's thread, not the thread serving the streams
+        engine = create_engine(url, inline=False) if is_sqlite(url) else None
+        sessions = create_session_factory(engine) if engine is not None else state.sessions
+        try:
+            async for rollout in iter_rollouts(sessions, filters):
+                for record in adapt(rollout, schema):
+                    yield orjson.dumps(record) + b"\n"
+        finally:
+            if engine is not None:
+                await engine.dispose()
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 

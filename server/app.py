@@ -26,6 +26,7 @@ from server.api.tokenizer import router as tokenizer_router
 from server.auth import TokenSigner
 from server.chats.admission import RateLimiter
 from server.chats.catalog import Catalog
+from server.chats.path_cache import PathCache
 from server.db import create_engine, create_session_factory, ping
 from server.metrics import Metrics
 from server.queue.protocol import WorkerDirectory, WorkQueue
@@ -115,7 +116,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
             settings.resolved_auth_secret(), settings.access_token_minutes, settings.refresh_token_days
         )
         metrics = Metrics()
-        hub = WorkerHub(settings, sessions, queue, directory, streams, metrics)
+        paths = PathCache()
+        hub = WorkerHub(settings, sessions, queue, directory, streams, metrics, paths)
         if redis is not None:
             from server.workers.relay import RedisRpcRelay
 
@@ -134,6 +136,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             rate_limiter=limiter,
             metrics=metrics,
             catalog=Catalog(directory, settings.model_grace_s),
+            paths=paths,
         )
         hub.start()
         try:

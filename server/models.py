@@ -11,7 +11,7 @@ import os
 import time
 import uuid
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     JSON,
@@ -22,6 +22,7 @@ from sqlalchemy import (
     Integer,
     LargeBinary,
     String,
+    Table,
     Text,
     text,
 )
@@ -190,3 +191,9 @@ class MessageEval(Base):
     user_id: Mapped[str] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
     inferior_message_ids: Mapped[list[Any]] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+# The tables themselves, typed, for the Core statements of the hot paths (no ORM objects per row).
+MESSAGES = cast(Table, Message.__table__)
+CHATS = cast(Table, Chat.__table__)
+MESSAGE_TOKENS = cast(Table, MessageTokens.__table__)

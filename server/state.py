@@ -10,6 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from server.auth import TokenSigner
 from server.chats.admission import RateLimiter
 from server.chats.catalog import Catalog
+from server.chats.path_cache import PathCache
 from server.db import SessionFactory
 from server.metrics import Metrics
 from server.queue.protocol import WorkerDirectory, WorkQueue
@@ -37,4 +38,5 @@ class AppState:
     rate_limiter: RateLimiter
     metrics: Metrics
     catalog: Catalog
+    paths: PathCache  # recently used chat paths: turns dispatched without reading them back
     auth_cache: dict[str, tuple[float, User]] = field(default_factory=dict)  # token -> (expiry, user)

@@ -116,16 +116,24 @@ async def update_chat(chat_id: str, body: ChatUpdateRequest, repo: RepoDep) -> C
 
 
 @router.post("/{chat_id}/prompter_message")
-async def create_prompter_message(chat_id: str, body: CreatePrompterMessageRequest, repo: RepoDep) -> MessageRead:
+async def create_prompter_message(
+    chat_id: str, body: CreatePrompterMessageRequest, repo: RepoDep, state: StateDep
+) -> MessageRead:
     _check_length(body.content)
-    return message_to_read(await repo.add_prompter_message(chat_id, body.parent_id, body.content))
+    msg = await repo.add_prompter_message(chat_id, body.parent_id, body.content)
+    state.paths.remember([msg])
+    return message_to_read(msg)
 
 
 @router.post("/{chat_id}/tool_message")
-async def create_tool_message(chat_id: str, body: CreateToolMessageRequest, repo: RepoDep) -> MessageRead:
+async def create_tool_message(
+    chat_id: str, body: CreateToolMessageRequest, repo: RepoDep, state: StateDep
+) -> MessageRead:
     """A tool's result for one call of the assistant message (or tool result) it follows."""
     _check_length(body.content)
-    return message_to_read(await repo.add_tool_message(chat_id, body.parent_id, body.tool_call_id, body.content))
+    msg = await repo.add_tool_message(chat_id, body.parent_id, body.tool_call_id, body.content)
+    state.paths.remember([msg])
+    return message_to_read(msg)
 
 
 @router.post("/{chat_id}/assistant_message")

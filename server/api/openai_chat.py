@@ -120,12 +120,13 @@ async def _chat(
             "required_prefix_ids": body.required_prefix_token_ids,
         },
     )
+    state.paths.remember(cont.stored)
     await enqueue(state, cont.assistants)
     await session.close()  # generation may take minutes; the follower opens its own sessions
     ids = [m.id for m in cont.assistants]
     created = int(time.time())
     request_info = {
-        "chat_id": cont.chat.id,
+        "chat_id": cont.chat_id,
         "message_ids": ids,
         "matched_messages": cont.matched,
         "new_messages": cont.new_messages,

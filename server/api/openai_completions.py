@@ -121,11 +121,12 @@ async def completions(body: CompletionRequest, user: CurrentUser, session: Sessi
             text, title = prompt, prompt.strip()
         else:
             raw, text, title = {"token_ids": prompt}, "", f"token prompt ({len(prompt)} tokens)"
-        _chat, msgs = await store_raw(
+        _chat, prompt_msg, msgs = await store_raw(
             session, user.id, text=text, raw=raw, title=title, model=body.model, sampling=sampling, n=body.n
         )
         jobs += [_Job(k * body.n + i, m.id, echoes[k] if body.echo else "") for i, m in enumerate(msgs)]
         pending += msgs
+        state.paths.remember([prompt_msg])
     await enqueue(state, pending)
     await session.close()  # generation may take minutes; the followers open their own sessions
     ctx = _CompletionContext(body, f"cmpl-{jobs[0].message_id}", int(time.time()), top)
@@ -272,7 +273,7 @@ async def generate(body: GenerateRequest, user: CurrentUser, session: SessionDep
     top = sp.logprobs or 0
     sampling = sampling_params(sp, sp.max_tokens, top, prefix="sampling_params.")
     await admit(state.settings, state.rate_limiter, session, user.id, model, sp.n)
-    _chat, msgs = await store_raw(
+    _chat, prompt_msg, msgs = await store_raw(
         session,
         user.id,
         text="",
@@ -282,6 +283,7 @@ async def generate(body: GenerateRequest, user: CurrentUser, session: SessionDep
         sampling=sampling,
         n=sp.n,
     )
+    state.paths.remember([prompt_msg])
     await enqueue(state, msgs)
     await session.close()
     request_id = body.request_id or f"gen-{msgs[0].id}"

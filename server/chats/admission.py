@@ -18,12 +18,12 @@ import time
 from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
-from sqlalchemy import func, select
+from sqlalchemy import bindparam, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.constants import RATE_LIMIT
 from server.errors import ApiError
-from server.models import Chat, Message
+from server.models import CHATS, MESSAGES
 from server.settings import ServerSettings
 from shared.api import MessageState
 from shared.errors import ErrorCode
@@ -90,17 +90,22 @@ class RateLimiter:
         return 0.0
 
 
-async def open_messages(session: AsyncSession, user_id: str, model: str) -> int:
-    n = await session.scalar(
-        select(func.count())
-        .select_from(Message)
-        .join(Chat, Chat.id == Message.chat_id)
-        .where(
-            Message.state.in_((MessageState.pending.value, MessageState.in_progress.value)),
-            Message.model_config_name == model,
-            Chat.user_id == user_id,
-        )
+_M, _C = MESSAGES.c, CHATS.c
+# Built once: a Core statement with bound parameters is compiled and cached once (every request asks).
+_OPEN_MESSAGES = (
+    select(func.count())
+    .select_from(MESSAGES.join(CHATS, _C.id == _M.chat_id))
+    .where(
+        _M.state.in_((MessageState.pending.value, MessageState.in_progress.value)),
+        _M.model_config_name == bindparam("model"),
+        _C.user_id == bindparam("user_id"),
     )
+)
+
+
+async def open_messages(session: AsyncSession, user_id: str, model: str) -> int:
+    conn = await session.connection()
+    n = (await conn.execute(_OPEN_MESSAGES, {"model": model, "user_id": user_id})).scalar()
     return int(n or 0)
 
 

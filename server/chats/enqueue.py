@@ -4,10 +4,13 @@ assistant messages to the work queue.
 A full queue refuses the request: the messages not queued are deleted (a refused request leaves
 nothing behind) and the client gets 503 ``queue_full`` with Retry-After. With Redis away the messages
 stay pending in SQL and are queued in the background once it answers (the sweep is the backstop).
+Each message is also registered with this process's path cache, so that a dispatch here reads nothing
+back.
 """
 
 from __future__ import annotations
 
+from server.chats.path_cache import PendingWork
 from server.errors import ApiError, is_unavailable
 from server.models import Message
 from server.queue.protocol import QueueFull
@@ -18,6 +21,9 @@ from shared.errors import ErrorCode
 async def enqueue(state: AppState, messages: list[Message]) -> None:
     for k, msg in enumerate(messages):
         model = msg.model_config_name or ""
+        # this process's dispatch takes it from memory if it claims it (server.workers.work_source)
+        params = msg.work_parameters or {}
+        state.paths.pending(PendingWork(msg.id, msg.chat_id, msg.parent_id or "", msg.attempt, params, msg.created_at))
         try:
             await state.queue.enqueue(model, msg.id, msg.attempt)
         except QueueFull as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import delete, func, select, update
@@ -92,6 +93,38 @@ def pending_assistant(chat_id: str, parent_id: str, work: WorkParameters) -> Mes
         work_parameters=work.model_dump(mode="json"),
         attempt=1,
     )
+
+
+def message_row(m: Message, now: datetime) -> dict[str, Any]:
+    """Every column of a new message, for a Core insert (the ORM's per-object flush costs a request
+    several times more). ``m`` gets its timestamps and the defaults it lacked, as a flush would set."""
+    m.created_at = m.modified_at = now
+    return {
+        "id": m.id,
+        "chat_id": m.chat_id,
+        "parent_id": m.parent_id,
+        "role": m.role,
+        "content": m.content,
+        "tool_call_id": m.tool_call_id,
+        "reasoning_content": m.reasoning_content,
+        "tool_calls": m.tool_calls,
+        "state": m.state,
+        "created_at": now,
+        "modified_at": now,
+        "score": 0,
+        "voted_at": None,
+        "model_config_name": m.model_config_name,
+        "work_parameters": m.work_parameters,
+        "attempt": m.attempt or 0,
+        "failures": 0,
+        "worker_id": None,
+        "error": None,
+        "error_code": None,
+        "finish_reason": None,
+        "prompt_token_count": None,
+        "completion_token_count": None,
+        "chain_hash": m.chain_hash,
+    }
 
 
 def encode_stop_reason(value: int | str | None) -> str | None:

@@ -7,15 +7,16 @@ that was presumed lost, a redelivered queue entry) can never overwrite newer sta
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import case, delete, select, update
+from sqlalchemy import bindparam, case, delete, insert, select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.orm import aliased
 
 from server.chats.repository import decode_stop_reason, encode_stop_reason
 from server.db import SessionFactory
-from server.models import Chat, Message, MessageTokens, utcnow
+from server.models import MESSAGE_TOKENS, MESSAGES, Chat, Message, MessageTokens, utcnow
 from shared.api import FINISHED_STATES, MessageState, WorkParameters
 from shared.chain import chain_hash, normalized
 from shared.errors import ErrorCode
@@ -23,13 +24,71 @@ from shared.packing import pack_floats, pack_ids, unpack_ids
 from shared.protocol import GenerationRecord, PriorChain, WorkMessage
 
 Parent = aliased(Message)
+
+
+def work_message(m: Message) -> WorkMessage:
+    """A stored message as the template sees it (OA roles mapped)."""
+    if m.role == "assistant":
+        return WorkMessage(
+            id=m.id,
+            role="assistant",
+            content=m.content or "",
+            tool_calls=m.tool_calls or None,
+            reasoning_content=m.reasoning_content,
+        )
+    if m.role == "tool":
+        return WorkMessage(id=m.id, role="tool", content=m.content or "", tool_call_id=m.tool_call_id)
+    return WorkMessage(id=m.id, role="user", content=m.content or "")
+
+
+def reply_chain_hash(parent_chain: str | None, record: GenerationRecord) -> str | None:
+    """A finished reply's prefix-index key: under an indexed parent (OpenAI API chats) only."""
+    if parent_chain is None:
+        return None
+    return chain_hash(parent_chain, normalized("assistant", record.content, record.tool_calls))
+
+
 _OPEN_STATES = (MessageState.pending.value, MessageState.in_progress.value)
 _STORABLE_STATES = (*_OPEN_STATES, MessageState.cancelled.value)
+
+
+# The statements of every turn, built once (compiled and cached once): Core, no ORM objects.
+_M = MESSAGES.c
+_START = (
+    update(MESSAGES)
+    .where(_M.id == bindparam("b_id"), _M.attempt == bindparam("b_attempt"), _M.state.in_(_OPEN_STATES))
+    .values(state=MessageState.in_progress.value, worker_id=bindparam("b_worker_id"), modified_at=bindparam("b_now"))
+)
+_STORE = (
+    update(MESSAGES)
+    .where(_M.id == bindparam("b_id"), _M.attempt == bindparam("b_attempt"), _M.state.in_(_STORABLE_STATES))
+    .values(
+        # a cancelled message keeps its state and gets the tokens generated until the abort
+        state=case(
+            (_M.state == MessageState.cancelled.value, MessageState.cancelled.value),
+            else_=MessageState.complete.value,
+        ),
+        content=bindparam("b_content"),
+        reasoning_content=bindparam("b_reasoning_content"),
+        tool_calls=bindparam("b_tool_calls", type_=_M.tool_calls.type),
+        finish_reason=bindparam("b_finish_reason"),
+        prompt_token_count=bindparam("b_prompt_token_count"),
+        completion_token_count=bindparam("b_completion_token_count"),
+        modified_at=bindparam("b_now"),
+    )
+)
+_STORE_INDEXED = _STORE.values(chain_hash=bindparam("b_chain_hash"))
+_INSERT_TOKENS = insert(MESSAGE_TOKENS)
+_PARENT_CHAIN = (
+    select(Parent.chain_hash).join(Message, Message.parent_id == Parent.id).where(Message.id == bindparam("b_id"))
+)
+_SET_CHAIN = update(MESSAGES).where(_M.id == bindparam("b_id")).values(chain_hash=bindparam("b_chain_hash"))
 
 
 class WorkStore:
     def __init__(self, sessions: SessionFactory) -> None:
         self.sessions = sessions
+        self.engine: AsyncEngine = sessions.kw["bind"]  # Core statements run on it directly
 
     async def load(self, message_id: str) -> tuple[Message, list[Message]] | None:
         """The message and its ancestors root-first (excluding itself), or None if it is gone."""
@@ -50,29 +109,6 @@ class WorkStore:
     @staticmethod
     def is_open(msg: Message, attempt: int) -> bool:
         return msg.attempt == attempt and msg.state not in {s.value for s in FINISHED_STATES}
-
-    @staticmethod
-    def work_messages(path: list[Message], params: WorkParameters) -> list[WorkMessage]:
-        """The conversation as the template sees it: system prompt first, OA roles mapped."""
-        out = []
-        if params.system_prompt is not None:
-            out.append(WorkMessage(id="system", role="system", content=params.system_prompt))
-        for m in path:
-            if m.role == "assistant":
-                out.append(
-                    WorkMessage(
-                        id=m.id,
-                        role="assistant",
-                        content=m.content or "",
-                        tool_calls=m.tool_calls or None,
-                        reasoning_content=m.reasoning_content,
-                    )
-                )
-            elif m.role == "tool":
-                out.append(WorkMessage(id=m.id, role="tool", content=m.content or "", tool_call_id=m.tool_call_id))
-            else:
-                out.append(WorkMessage(id=m.id, role="user", content=m.content or ""))
-        return out
 
     async def prior_chain(self, path: list[Message]) -> PriorChain | None:
         """The stored tokens of the nearest assistant ancestor that has them."""
@@ -108,14 +144,11 @@ class WorkStore:
         return WorkParameters.model_validate(msg.work_parameters)
 
     async def start(self, message_id: str, attempt: int, worker_id: str) -> bool:
-        async with self.sessions() as s:
-            res = await s.execute(
-                update(Message)
-                .where(Message.id == message_id, Message.attempt == attempt, Message.state.in_(_OPEN_STATES))
-                .values(state=MessageState.in_progress.value, worker_id=worker_id, modified_at=utcnow())
+        async with self.engine.begin() as conn:
+            res = await conn.execute(
+                _START, {"b_id": message_id, "b_attempt": attempt, "b_worker_id": worker_id, "b_now": utcnow()}
             )
-            await s.commit()
-            return bool(res.rowcount)  # type: ignore[attr-defined]
+            return bool(res.rowcount)
 
     async def next_attempt(self, message_id: str, attempt: int, *, failed: bool = False) -> int | None:
         """Fence off ``attempt`` and return the new attempt number, or None if it is already stale.
@@ -204,15 +237,12 @@ class WorkStore:
             return bool(res.rowcount)  # type: ignore[attr-defined]
 
     @staticmethod
-    async def _index(s: AsyncSession, message_id: str, record: GenerationRecord) -> None:
+    async def _index(conn: AsyncConnection, message_id: str, record: GenerationRecord) -> None:
         """Put the finished message in the prefix index if its path is indexed (OpenAI API chats)."""
-        parent_hash = await s.scalar(
-            select(Parent.chain_hash).join(Message, Message.parent_id == Parent.id).where(Message.id == message_id)
-        )
-        if parent_hash is None:
-            return
-        key = chain_hash(parent_hash, normalized("assistant", record.content, record.tool_calls))
-        await s.execute(update(Message).where(Message.id == message_id).values(chain_hash=key))
+        parent_hash = (await conn.execute(_PARENT_CHAIN, {"b_id": message_id})).scalar()
+        key = reply_chain_hash(parent_hash, record)
+        if key is not None:
+            await conn.execute(_SET_CHAIN, {"b_id": message_id, "b_chain_hash": key})
 
     async def store(
         self,
@@ -226,58 +256,52 @@ class WorkStore:
         """Write the finished record and complete the message, once, in one transaction.
         ``chain_known``: the caller knows the parent's chain hash (``parent_chain``, None if the
         path is not indexed), so the prefix index costs no extra statement."""
-        index: dict[str, str] = {}
-        if chain_known and parent_chain is not None:
-            index["chain_hash"] = chain_hash(parent_chain, normalized("assistant", record.content, record.tool_calls))
-        async with self.sessions() as s, s.begin():
-            res = await s.execute(
-                update(Message)
-                .where(Message.id == message_id, Message.attempt == attempt, Message.state.in_(_STORABLE_STATES))
-                .values(
-                    **index,
-                    # a cancelled message keeps its state and gets the tokens generated until the abort
-                    state=case(
-                        (Message.state == MessageState.cancelled.value, MessageState.cancelled.value),
-                        else_=MessageState.complete.value,
-                    ),
-                    content=record.content,
-                    reasoning_content=record.reasoning_content,
-                    tool_calls=record.tool_calls or None,
-                    finish_reason=record.finish_reason,
-                    prompt_token_count=len(record.prompt_ids),
-                    completion_token_count=len(record.completion_ids),
-                    modified_at=utcnow(),
-                )
-            )
-            if not res.rowcount:  # type: ignore[attr-defined]
-                return False
-            if not chain_known:
-                await self._index(s, message_id, record)
-            s.add(
-                MessageTokens(
-                    message_id=message_id,
-                    prompt_ids=pack_ids(record.prompt_ids),
-                    completion_ids=pack_ids(record.completion_ids),
-                    logprobs=pack_floats([float("nan") if lp is None else lp for lp in record.logprobs]),
-                    text_offsets=pack_ids(record.text_offsets),
-                    completion_text=record.completion_text,
-                    finish_reason=record.finish_reason,
-                    stop_reason=encode_stop_reason(record.stop_reason),
-                    engine=record.engine,
-                    tokenizer_hash=record.tokenizer_hash,
-                    template_hash=record.template_hash,
-                    prior_message_id=record.prior_message_id,
-                    reused_prefix_len=record.reused_prefix_len,
-                    synthetic_token_count=record.synthetic_token_count,
-                    fork=record.fork,
-                    num_cached_tokens=record.num_cached_tokens,
-                    prompt_method=record.prompt_method,
-                    resumed_at=pack_ids(record.resumed_at),
-                    prompt_check=record.prompt_check,
-                )
-            )
-            try:
-                await s.flush()
-            except IntegrityError:
-                return False
+        now = utcnow()
+        values: dict[str, Any] = {
+            "b_id": message_id,
+            "b_attempt": attempt,
+            "b_content": record.content,
+            "b_reasoning_content": record.reasoning_content,
+            "b_tool_calls": record.tool_calls or None,
+            "b_finish_reason": record.finish_reason,
+            "b_prompt_token_count": len(record.prompt_ids),
+            "b_completion_token_count": len(record.completion_ids),
+            "b_now": now,
+        }
+        key = reply_chain_hash(parent_chain, record) if chain_known else None
+        tokens = {
+            "message_id": message_id,
+            "prompt_ids": pack_ids(record.prompt_ids),
+            "completion_ids": pack_ids(record.completion_ids),
+            "logprobs": pack_floats([float("nan") if lp is None else lp for lp in record.logprobs]),
+            "text_offsets": pack_ids(record.text_offsets),
+            "completion_text": record.completion_text,
+            "finish_reason": record.finish_reason,
+            "stop_reason": encode_stop_reason(record.stop_reason),
+            "engine": record.engine,
+            "tokenizer_hash": record.tokenizer_hash,
+            "template_hash": record.template_hash,
+            "prior_message_id": record.prior_message_id,
+            "reused_prefix_len": record.reused_prefix_len,
+            "synthetic_token_count": record.synthetic_token_count,
+            "fork": record.fork,
+            "num_cached_tokens": record.num_cached_tokens,
+            "prompt_method": record.prompt_method,
+            "resumed_at": pack_ids(record.resumed_at),
+            "prompt_check": record.prompt_check,
+            "created_at": now,
+        }
+        try:
+            async with self.engine.begin() as conn:
+                if key is not None:
+                    res = await conn.execute(_STORE_INDEXED, {**values, "b_chain_hash": key})
+                else:
+                    res = await conn.execute(_STORE, values)
+                if not res.rowcount:
+                    return False
+                if not chain_known:
+                    await self._index(conn, message_id, record)
+                await conn.execute(_INSERT_TOKENS, tokens)
+        except IntegrityError:
+            return False  # the record of this attempt was stored already
         return True

@@ -19,15 +19,15 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from server.chats.repository import pending_assistant
+from server.chats.repository import message_row, pending_assistant
 from server.errors import ApiError
-from server.models import Chat, Message, new_id, utcnow
+from server.models import CHATS, MESSAGES, Chat, Message, new_id, utcnow
 from shared.api import MAX_CONTENT_CHARS, MAX_TOOL_ARGUMENTS_CHARS, MessageState, SamplingParameters, WorkParameters
 from shared.chain import (
     MessageFormatError,
@@ -63,12 +63,13 @@ class Conversation:
 
 @dataclass
 class Continued:
-    chat: Chat
+    chat_id: str
     assistants: list[Message]
     matched: int  # request messages (system prompt excluded) found stored
     forked: bool  # the new messages branch off a stored message that had other continuations
     new_messages: int = 0
     parent_id: str | None = None
+    stored: list[Message] = field(default_factory=list)  # the request's new messages, root side first
 
 
 def _bad(message: str, param: str | None) -> ApiError:
@@ -156,47 +157,79 @@ def seed_for(
     return chain_seed(user_id, model, conv.system_prompt, tools, template_kwargs)
 
 
+_M, _C = MESSAGES.c, CHATS.c
+# Built once, so that each is compiled and cached once: every chat request runs them.
+_MATCHES = select(_M.id, _M.chat_id, _M.chain_hash, _M.role, _M.tool_calls).where(
+    _M.chain_hash.in_(bindparam("hashes", expanding=True)), _M.state.in_(_MATCHABLE)
+)
+_MATCHES_IN_CHAT = _MATCHES.where(_M.chat_id == bindparam("chat_id"))
+_OWNED = select(_C.id).where(_C.id.in_(bindparam("chat_ids", expanding=True)), _C.user_id == bindparam("user_id"))
+_HAS_CHILD = select(_M.id).where(_M.chat_id == bindparam("chat_id"), _M.parent_id == bindparam("parent_id")).limit(1)
+_HAS_ROOT = select(_M.id).where(_M.chat_id == bindparam("chat_id"), _M.parent_id.is_(None)).limit(1)
+_INSERT_CHAT = insert(CHATS)
+_INSERT_MESSAGES = insert(MESSAGES)
+_TOUCH_CHAT = (
+    update(CHATS)
+    .where(_C.id == bindparam("chat_id"))
+    .values(modified_at=bindparam("now"), active_thread_tail_message_id=bindparam("tail"))
+)
+
+
+@dataclass
+class _Match:
+    id: str
+    chat_id: str
+    role: str
+    tool_calls: list[dict[str, Any]] | None
+
+
 class ConversationStore:
+    """The request's session, used through Core statements: a chat turn runs five or six of them."""
+
     def __init__(self, session: AsyncSession, user_id: str) -> None:
         self.session = session
         self.user_id = user_id
 
-    async def longest_match(self, hashes: list[str], chat_id: str | None) -> tuple[Message | None, int]:
+    async def _rows(self, stmt: Any, params: dict[str, Any]) -> list[Any]:
+        conn = await self.session.connection()
+        return list((await conn.execute(stmt, params)).all())
+
+    async def longest_match(self, hashes: list[str], chat_id: str | None) -> tuple[_Match | None, int]:
         """The stored message ending the longest matching prefix, and that prefix's length."""
         if not hashes:
             return None, 0
         # By hash alone, so that the planner probes the chain-hash index (joined to chats it may scan
         # the user's chats instead, which grows with them); ownership is checked on the few hits.
-        q = select(Message).where(Message.chain_hash.in_(hashes), Message.state.in_(_MATCHABLE))
-        if chat_id is not None:
-            q = q.where(Message.chat_id == chat_id)
-        hits = (await self.session.scalars(q)).all()
+        if chat_id is None:
+            hits = await self._rows(_MATCHES, {"hashes": hashes})
+        else:
+            hits = await self._rows(_MATCHES_IN_CHAT, {"hashes": hashes, "chat_id": chat_id})
         if not hits:
             return None, 0
-        chat_ids = {m.chat_id for m in hits}
-        owned = set(
-            (
-                await self.session.scalars(select(Chat.id).where(Chat.id.in_(chat_ids), Chat.user_id == self.user_id))
-            ).all()
-        )
-        rows = [m for m in hits if m.chat_id in owned]
+        owned = {
+            r.id
+            for r in await self._rows(_OWNED, {"chat_ids": list({h.chat_id for h in hits}), "user_id": self.user_id})
+        }
+        rows = [h for h in hits if h.chat_id in owned]
         if not rows:
             return None, 0
         position = {h: k for k, h in enumerate(hashes)}
         # longest prefix first; among equal paths (identical siblings) the newest
         best = max(rows, key=lambda m: (position[m.chain_hash or ""], m.id))
-        return best, position[best.chain_hash or ""] + 1
+        calls = best.tool_calls
+        if isinstance(calls, str):  # a JSON column read through Core on a driver that hands back text
+            calls = json.loads(calls)
+        return _Match(best.id, best.chat_id, best.role, calls), position[best.chain_hash or ""] + 1
 
-    async def _chat(self, chat_id: str) -> Chat:
-        chat = await self.session.scalar(select(Chat).where(Chat.id == chat_id, Chat.user_id == self.user_id))
-        if chat is None:
+    async def _owned_chat(self, chat_id: str) -> str:
+        if not await self._rows(_OWNED, {"chat_ids": [chat_id], "user_id": self.user_id}):
             raise ApiError(ErrorCode.chat_not_found, f"conversation {chat_id} not found", param="conversation_id")
-        return chat
+        return chat_id
 
     async def _has_children(self, chat_id: str, parent_id: str | None) -> bool:
-        q = select(Message.id).where(Message.chat_id == chat_id)
-        q = q.where(Message.parent_id.is_(None)) if parent_id is None else q.where(Message.parent_id == parent_id)
-        return (await self.session.scalar(q.limit(1))) is not None
+        if parent_id is None:
+            return bool(await self._rows(_HAS_ROOT, {"chat_id": chat_id}))
+        return bool(await self._rows(_HAS_CHILD, {"chat_id": chat_id, "parent_id": parent_id}))
 
     async def continue_path(
         self,
@@ -211,30 +244,45 @@ class ConversationStore:
         extra_params: dict[str, Any],
     ) -> Continued:
         hashes = chain_hashes(seed, [m.norm for m in conv.path])
-        pinned = await self._chat(conversation_id) if conversation_id is not None else None
-        matched_msg, matched = await self.longest_match(hashes, conversation_id)
-        if matched_msg is not None:
-            chat = pinned or await self._chat(matched_msg.chat_id)
-            parent: Message | None = matched_msg
+        pinned = await self._owned_chat(conversation_id) if conversation_id is not None else None
+        match, matched = await self.longest_match(hashes, conversation_id)
+        now = utcnow()
+        conn = await self.session.connection()
+        if match is not None:
+            chat_id = pinned or match.chat_id
         elif pinned is not None:
-            chat, parent = pinned, None
+            chat_id = pinned
         else:
             title = conv.path[0].content.strip()[:80] or None
-            chat = Chat(user_id=self.user_id, system_prompt=conv.system_prompt, tools=tools, title=title)
-            self.session.add(chat)
-            await self.session.flush()
-            parent = None
+            chat_id = new_id()
+            chat_row = {
+                "id": chat_id,
+                "user_id": self.user_id,
+                "created_at": now,
+                "modified_at": now,
+                "title": title,
+                "hidden": False,
+                "allow_data_use": True,
+                "system_prompt": conv.system_prompt,
+                "tools": tools,
+                "active_thread_tail_message_id": None,
+            }
+            await conn.execute(_INSERT_CHAT, chat_row)
         tail = conv.path[matched:]
-        forked = bool(tail) and await self._has_children(chat.id, parent.id if parent else None)
+        parent_id = match.id if match is not None else None
+        # a new chat has no other continuations to fork from
+        known_chat = match is not None or pinned is not None
+        forked = bool(tail) and known_chat and await self._has_children(chat_id, parent_id)
         parent_hash = hashes[matched - 1] if matched else seed
-        calls = list(parent.tool_calls or []) if parent is not None and parent.role == "assistant" else []
+        calls = list(match.tool_calls or []) if match is not None and match.role == "assistant" else []
         tool_index = 0
+        stored: list[Message] = []
         for pm in tail:
             key = chain_hash(parent_hash, pm.norm)
             msg = Message(
                 id=new_id(),
-                chat_id=chat.id,
-                parent_id=parent.id if parent else None,
+                chat_id=chat_id,
+                parent_id=parent_id,
                 role=_TREE_ROLE[pm.role],
                 content=pm.content,
                 state=MessageState.manual.value,
@@ -250,13 +298,12 @@ class ConversationStore:
                 tool_index += 1
             else:
                 calls, tool_index = [], 0
-            self.session.add(msg)
-            parent, parent_hash = msg, key
-        assert parent is not None
+            stored.append(msg)
+            parent_id, parent_hash = msg.id, key
+        assert parent_id is not None
         assistants = pending_assistants(
-            self.session,
-            chat.id,
-            parent.id,
+            chat_id,
+            parent_id,
             n,
             sampling,
             lambda seed: WorkParameters(
@@ -268,26 +315,19 @@ class ConversationStore:
                 **extra_params,
             ),
         )
-        chat.modified_at = utcnow()
-        chat.active_thread_tail_message_id = assistants[0].id
+        await conn.execute(_INSERT_MESSAGES, [message_row(m, now) for m in (*stored, *assistants)])
+        await conn.execute(_TOUCH_CHAT, {"chat_id": chat_id, "now": now, "tail": assistants[0].id})
         await self.session.commit()
-        return Continued(chat, assistants, matched, forked, len(tail), parent.id)
+        return Continued(chat_id, assistants, matched, forked, len(tail), parent_id, stored)
 
 
 def pending_assistants(
-    session: AsyncSession,
-    chat_id: str,
-    parent_id: str,
-    n: int,
-    sampling: SamplingParameters,
-    work: Callable[[int], WorkParameters],
+    chat_id: str, parent_id: str, n: int, sampling: SamplingParameters, work: Callable[[int], WorkParameters]
 ) -> list[Message]:
     """``n`` sibling assistant messages to generate, seeded ``seed``, ``seed + 1``... (a random
     base seed when the request gives none)."""
     base_seed = sampling.seed if sampling.seed is not None else secrets.randbelow(2**62)
-    out = [pending_assistant(chat_id, parent_id, work((base_seed + i) % 2**63)) for i in range(n)]
-    session.add_all(out)
-    return out
+    return [pending_assistant(chat_id, parent_id, work((base_seed + i) % 2**63)) for i in range(n)]
 
 
 async def store_raw(
@@ -300,7 +340,7 @@ async def store_raw(
     model: str,
     sampling: SamplingParameters,
     n: int,
-) -> tuple[Chat, list[Message]]:
+) -> tuple[Chat, Message, list[Message]]:
     """A raw-prompt request (text completions, tokens in) as a chat of its own: the prompt as a
     prompter message and n assistant messages generated from the prompt as given (no template).
     Such chats are not in the prefix index: chat requests never continue them."""
@@ -312,16 +352,16 @@ async def store_raw(
     )
     session.add(prompt)
     assistants = pending_assistants(
-        session,
         chat.id,
         prompt.id,
         n,
         sampling,
         lambda seed: WorkParameters(model_config_name=model, sampling_parameters=sampling, seed=seed, raw_prompt=raw),
     )
+    session.add_all(assistants)
     chat.active_thread_tail_message_id = assistants[0].id
     await session.commit()
-    return chat, assistants
+    return chat, prompt, assistants
 
 
 def _resolve_call_id(given: str, calls: list[dict[str, Any]], index: int) -> str:

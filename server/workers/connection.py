@@ -18,6 +18,7 @@ from server.db import SessionFactory
 from server.metrics import StreamTimer
 from server.models import WorkerKey
 from server.queue.protocol import WorkerEntry, WorkItem
+from server.workers.work_source import Work
 from shared.errors import ErrorCode
 from shared.protocol import (
     FEATURE_RPC,
@@ -41,8 +42,7 @@ REVOKED = "the worker key was revoked"
 class InFlight:
     item: WorkItem
     next_index: int  # index the next tokens frame must start at
-    parent_chain: str | None = None  # the parent's chain hash (prefix index), known once dispatched
-    chain_known: bool = False
+    work: Work | None = None  # what was sent, once dispatched
     streamed: list[int] = field(default_factory=list)  # token ids readers have seen (resumed ones too)
     timer: StreamTimer | None = None  # latency metrics, from dispatch on
 

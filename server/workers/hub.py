@@ -18,7 +18,8 @@ import time
 from fastapi import WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
-from server.chats.work_store import WorkStore
+from server.chats.path_cache import PathCache
+from server.chats.work_store import WorkStore, reply_chain_hash
 from server.db import SessionFactory
 from server.metrics import Metrics, StreamTimer, seconds_since
 from server.queue.protocol import WorkerDirectory, WorkQueue
@@ -40,6 +41,7 @@ from server.workers.connection import (
 from server.workers.ingest import record_problem, record_without_nul, token_batch
 from server.workers.recovery import Recovery
 from server.workers.rpc import RpcFailed, RpcUnavailable, WorkerRpc
+from server.workers.work_source import WorkSource
 from shared.api import MessageState
 from shared.errors import ErrorCode
 from shared.protocol import (
@@ -52,13 +54,11 @@ from shared.protocol import (
     FinishedFrame,
     HeartbeatFrame,
     HelloFrame,
-    RawPrompt,
     ResumeState,
     RpcResultFrame,
     TokensFrame,
     WelcomeFrame,
     WorkerFrame,
-    WorkFrame,
     worker_batch_adapter,
     worker_frame_adapter,
 )
@@ -75,6 +75,7 @@ class WorkerHub:
         directory: WorkerDirectory,
         streams: TokenStreams,
         metrics: Metrics,
+        paths: PathCache,
     ) -> None:
         self.settings = settings
         self.sessions = sessions
@@ -83,6 +84,7 @@ class WorkerHub:
         self.streams = streams
         self.metrics = metrics
         self.store = WorkStore(sessions)
+        self.source = WorkSource(self.store, paths)
         self.connections: dict[str, WorkerConnection] = {}
         self.server_id = secrets.token_hex(4)
         self.rpc = WorkerRpc(self.connections, directory, self.server_id)
@@ -344,42 +346,26 @@ class WorkerHub:
     async def _dispatch(self, conn: WorkerConnection, inflight: InFlight) -> bool:
         """Send the work frame; False if the item needed no work (it has been acked)."""
         item = inflight.item
-        loaded = await self.store.load(item.message_id)
-        if loaded is None or not self.store.is_open(loaded[0], item.attempt):
+        work = await self.source.load(item)
+        if work is None:
             await self.queue.ack(item)  # finished, deleted or superseded: nothing to do
             return False
-        msg, path = loaded
-        if msg.failures >= self.settings.max_attempts or item.deliveries > self.settings.max_attempts:
-            error = f"gave up after {msg.failures} failed attempts (of {item.attempt})"
+        if work.failures >= self.settings.max_attempts or item.deliveries > self.settings.max_attempts:
+            error = f"gave up after {work.failures} failed attempts (of {item.attempt})"
             await self.recovery.give_up(item, ErrorCode.too_many_attempts, error)
             return False
-        if not await self.store.start(msg.id, item.attempt, conn.id):
+        if not await self.store.start(work.message_id, item.attempt, conn.id):
             await self.queue.ack(item)
             return False
-        resume = await self._resume_state(msg.id, conn)
+        # only a retry can find tokens of an earlier attempt in the stream
+        resume = await self._resume_state(work.message_id, conn) if item.attempt > 1 else None
         if item.attempt == 1:
-            self.metrics.queue_wait.labels(item.model).observe(seconds_since(msg.created_at))
-        inflight.timer = StreamTimer(None if resume else msg.created_at)
-        params = self.store.work_parameters(msg)
-        frame = WorkFrame(
-            message_id=msg.id,
-            attempt=item.attempt,
-            chat_id=msg.chat_id,
-            model_name=conn.hello.model_name,
-            messages=self.store.work_messages(path, params),
-            sampling=params.sampling_parameters,
-            seed=params.seed,
-            tools=params.tools,
-            prior=None if params.raw_prompt else await self.store.prior_chain(path),
-            resume=resume,
-            template_kwargs=params.template_kwargs,
-            raw=RawPrompt.model_validate(params.raw_prompt) if params.raw_prompt else None,
-            client_prompt_ids=params.client_prompt_ids,
-            required_prefix_ids=params.required_prefix_ids,
-        )
+            self.metrics.queue_wait.labels(item.model).observe(seconds_since(work.created_at))
+        inflight.timer = StreamTimer(None if resume else work.created_at)
+        frame = work.frame(conn.hello.model_name, item.attempt, work.params.seed, resume)
         inflight.next_index = len(resume.token_ids) if resume else 0
         inflight.streamed = list(resume.token_ids) if resume else []
-        inflight.parent_chain, inflight.chain_known = (path[-1].chain_hash if path else None), True
+        inflight.work = work
         await conn.send(frame)
         return True
 
@@ -453,17 +439,20 @@ class WorkerHub:
                     frame.message_id,
                     TokenBatch(tail, record.completion_ids[tail:], record.logprobs[tail:], texts),
                 )
+        work = inflight.work
         stored = await self.store.store(
             frame.message_id,
             frame.attempt,
             record,
-            parent_chain=inflight.parent_chain,
-            chain_known=inflight.chain_known,
+            parent_chain=work.parent_chain if work is not None else None,
+            chain_known=work is not None,
         )
         conn.inflight.pop(frame.message_id, None)
         if stored and record.finish_reason == "abort" and await self.store.is_cancelled_or_deleted(frame.message_id):
             await self.recovery.finish_cancelled(frame.message_id)
         elif stored:
+            if work is not None and record.finish_reason != "abort":
+                self.source.finished(work, record, reply_chain_hash(work.parent_chain, record))
             self.metrics.finished.labels(MessageState.complete.value).inc()
             await self.streams.finish(frame.message_id, StreamDone("complete"))
         elif await self.store.is_cancelled_or_deleted(frame.message_id):  # cancelled, record refused: readers still end

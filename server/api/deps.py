@@ -18,7 +18,7 @@ from server.state import AppState
 from shared.errors import ErrorCode
 
 
-def get_state(request: Request) -> AppState:
+async def get_state(request: Request) -> AppState:  # async: FastAPI runs plain functions on a thread
     state: AppState = request.app.state.tt
     return state
 
@@ -107,7 +107,7 @@ async def get_admin(user: CurrentUser) -> User:
 AdminUser = Annotated[User, Depends(get_admin)]
 
 
-def get_repository(session: SessionDep, user: CurrentUser) -> ChatRepository:
+async def get_repository(session: SessionDep, user: CurrentUser) -> ChatRepository:
     return ChatRepository(session, user)
 
 

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from sqlalchemy import func, select
 
 from server.db import SessionFactory
-from server.models import Message
+from server.models import MESSAGE_IS_OPEN, Message
 from server.queue.protocol import WorkerDirectory, WorkQueue
 from shared.api import MessageState
 
@@ -133,7 +133,7 @@ class Metrics:
             self.scrape_errors.labels("queue").inc()
         try:
             async with sessions() as s:
-                q = select(Message.state, func.count()).where(Message.state.in_(_OPEN)).group_by(Message.state)
+                q = select(Message.state, func.count()).where(MESSAGE_IS_OPEN).group_by(Message.state)
                 counts = dict((await s.execute(q)).tuples().all())
             for name in _OPEN:
                 self.open_messages.labels(name).set(counts.get(name, 0))

@@ -43,6 +43,9 @@ def utcnow() -> datetime:
 
 
 _OPEN = text("state IN ('pending', 'in_progress')")
+# The same test in queries, with literal values: only then can SQLite use the partial index
+# ``ix_messages_open`` (bound parameters in the IN list make it scan every message).
+MESSAGE_IS_OPEN = text("messages.state IN ('pending', 'in_progress')")
 
 
 class Base(DeclarativeBase):

@@ -23,9 +23,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.constants import RATE_LIMIT
 from server.errors import ApiError
-from server.models import CHATS, MESSAGES
+from server.models import CHATS, MESSAGE_IS_OPEN, MESSAGES
 from server.settings import ServerSettings
-from shared.api import MessageState
 from shared.errors import ErrorCode
 
 log = logging.getLogger(__name__)
@@ -96,9 +95,11 @@ _OPEN_MESSAGES = (
     select(func.count())
     .select_from(MESSAGES.join(CHATS, _C.id == _M.chat_id))
     .where(
-        _M.state.in_((MessageState.pending.value, MessageState.in_progress.value)),
+        MESSAGE_IS_OPEN,
         _M.model_config_name == bindparam("model"),
-        _C.user_id == bindparam("user_id"),
+        # "|| ''" keeps the planner off the user's chats (all their messages would be scanned): it
+        # starts from the few open messages instead
+        (_C.user_id + "") == bindparam("user_id"),
     )
 )
 

@@ -16,7 +16,7 @@ from sqlalchemy.orm import aliased
 
 from server.chats.repository import decode_stop_reason, encode_stop_reason
 from server.db import SessionFactory
-from server.models import MESSAGE_TOKENS, MESSAGES, Chat, Message, MessageTokens, utcnow
+from server.models import MESSAGE_IS_OPEN, MESSAGE_TOKENS, MESSAGES, Chat, Message, MessageTokens, utcnow
 from shared.api import FINISHED_STATES, MessageState, WorkParameters
 from shared.chain import chain_hash, normalized
 from shared.errors import ErrorCode
@@ -173,7 +173,7 @@ class WorkStore:
         async with self.sessions() as s:
             rows = await s.scalars(
                 select(Message)
-                .where(Message.state.in_(_OPEN_STATES), Message.modified_at < cutoff)
+                .where(MESSAGE_IS_OPEN, Message.modified_at < cutoff)
                 .order_by(Message.modified_at)
                 .limit(limit)
             )
@@ -252,8 +252,9 @@ class WorkStore:
         *,
         parent_chain: str | None = None,
         chain_known: bool = False,
-    ) -> bool:
-        """Write the finished record and complete the message, once, in one transaction.
+    ) -> dict[str, Any] | None:
+        """Write the finished record and complete the message, once, in one transaction; the token
+        row as written, or None if the attempt was stale (nothing written).
         ``chain_known``: the caller knows the parent's chain hash (``parent_chain``, None if the
         path is not indexed), so the prefix index costs no extra statement."""
         now = utcnow()
@@ -298,10 +299,10 @@ class WorkStore:
                 else:
                     res = await conn.execute(_STORE, values)
                 if not res.rowcount:
-                    return False
+                    return None
                 if not chain_known:
                     await self._index(conn, message_id, record)
                 await conn.execute(_INSERT_TOKENS, tokens)
         except IntegrityError:
-            return False  # the record of this attempt was stored already
-        return True
+            return None  # the record of this attempt was stored already
+        return tokens

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from server.admin import issue_user_key
 from server.chats.path_cache import PathCache
 from server.chats.work_store import WorkStore
 from server.db import create_engine, create_session_factory
+from server.models import Message, MessageTokens
 from server.settings import ServerSettings
 from server.workers.work_source import Work, WorkSource
 from tests.stack import MODEL, ServerThread, WorkerThread, worker_key
@@ -109,6 +111,28 @@ def _oa_conversation(client: httpx.Client) -> None:
             parent = reply.json()["id"]
             events = client.get(f"/chats/{chat}/messages/{parent}/events")
             assert '"event_type":"message"' in events.text.replace(" ", ""), events.text[-300:]
+
+
+def _columns(row: Any) -> dict[str, Any]:
+    values = {c.key: getattr(row, c.key) for c in row.__table__.columns}
+    for key, value in values.items():
+        if isinstance(value, datetime) and value.tzinfo is None:  # SQLite hands datetimes back naive (UTC)
+            values[key] = value.replace(tzinfo=UTC)
+    return values
+
+
+async def _finished_from_sql(settings: ServerSettings, ids: list[str]) -> dict[str, tuple[Message, MessageTokens]]:
+    engine = create_engine(settings.effective_database_url)
+    out = {}
+    try:
+        async with create_session_factory(engine)() as s:
+            for message_id in ids:
+                msg, tokens = await s.get(Message, message_id), await s.get(MessageTokens, message_id)
+                assert msg is not None and tokens is not None
+                out[message_id] = (msg, tokens)
+    finally:
+        await engine.dispose()
+    return out
 
 
 async def _from_sql(settings: ServerSettings, works: list[Work]) -> list[tuple[Work, Work | None]]:

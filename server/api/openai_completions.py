@@ -20,7 +20,7 @@ from fastapi import APIRouter, Response
 from server.api.deps import CurrentUser, SessionDep, StateDep
 from server.chats.admission import admit
 from server.chats.enqueue import enqueue
-from server.chats.follow import Finished
+from server.chats.finished import Finished
 from server.errors import ApiError
 from server.models import Message
 from server.openai.choices import Progress, collect, follow

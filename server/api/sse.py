@@ -61,12 +61,17 @@ async def _final_events(
     ``replay`` (the reader followed the stream to its end) the tokens are read only if the stored
     completion is longer than what the reader got: a stream that lost entries (Redis restarted
     mid-message) is completed from SQL."""
-    async with state.sessions() as s:
-        msg = await s.get(Message, message_id)
-        if msg is None:
-            return [_event(ErrorEvent(error="message was deleted", code="message_not_found"))]
-        behind = (msg.completion_token_count or 0) > after + 1
-        tokens = await s.get(MessageTokens, message_id) if replay or behind else None
+    recent = state.hub.finished.get(message_id)  # stored here a moment ago: no need to read it back
+    msg: Message | None
+    if recent is not None:
+        msg, tokens = recent.message, recent.tokens
+    else:
+        async with state.sessions() as s:
+            msg = await s.get(Message, message_id)
+            behind = msg is not None and (msg.completion_token_count or 0) > after + 1
+            tokens = await s.get(MessageTokens, message_id) if msg is not None and (replay or behind) else None
+    if msg is None:
+        return [_event(ErrorEvent(error="message was deleted", code="message_not_found"))]
     out: list[ServerSentEvent | bytes] = []
     if tokens is not None:
         ids = unpack_ids(tokens.completion_ids)

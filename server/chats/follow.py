@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from server.chats.finished import Finished
 from server.models import Message, MessageTokens
 from server.state import AppState
 from server.streams.protocol import StreamDone, StreamReset, TokenBatch
@@ -35,14 +36,6 @@ class Ended:
     read position may exist in SQL only."""
 
     replay: bool
-
-
-@dataclass
-class Finished:
-    """The message and its token row as stored (``tokens`` is None for a message that failed)."""
-
-    message: Message
-    tokens: MessageTokens | None
 
 
 async def follow(
@@ -79,6 +72,9 @@ async def follow(
 
 async def load(state: AppState, message_id: str) -> Finished | None:
     """The message as stored, detached from its session; None if it was deleted."""
+    recent = state.hub.finished.get(message_id)
+    if recent is not None:
+        return recent
     async with state.sessions() as s:
         msg = await s.get(Message, message_id)
         if msg is None:

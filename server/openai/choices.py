@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from server.chats.follow import Ended, Finished, load
+from server.chats.finished import Finished
+from server.chats.follow import Ended, load
 from server.chats.follow import follow as follow_message
 from server.errors import ApiError
 from server.state import AppState

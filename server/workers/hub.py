@@ -18,6 +18,7 @@ import time
 from fastapi import WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
+from server.chats.finished import RecentlyFinished
 from server.chats.path_cache import PathCache
 from server.chats.work_store import WorkStore, reply_chain_hash
 from server.db import SessionFactory
@@ -85,6 +86,7 @@ class WorkerHub:
         self.metrics = metrics
         self.store = WorkStore(sessions)
         self.source = WorkSource(self.store, paths)
+        self.finished = RecentlyFinished()  # replies stored here a moment ago, for their readers
         self.connections: dict[str, WorkerConnection] = {}
         self.server_id = secrets.token_hex(4)
         self.rpc = WorkerRpc(self.connections, directory, self.server_id)
@@ -452,7 +454,9 @@ class WorkerHub:
             await self.recovery.finish_cancelled(frame.message_id)
         elif stored:
             if work is not None and record.finish_reason != "abort":
-                self.source.finished(work, record, reply_chain_hash(work.parent_chain, record))
+                key = reply_chain_hash(work.parent_chain, record)
+                self.source.finished(work, record, key)
+                self.finished.put(work.stored(record, stored, frame.attempt, conn.id, key))
             self.metrics.finished.labels(MessageState.complete.value).inc()
             await self.streams.finish(frame.message_id, StreamDone("complete"))
         elif await self.store.is_cancelled_or_deleted(frame.message_id):  # cancelled, record refused: readers still end

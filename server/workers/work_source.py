@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
+from server.chats.finished import Finished
 from server.chats.path_cache import Node, PathCache, StoredChain
 from server.chats.work_store import WorkStore, work_message
-from server.models import Message
+from server.models import Message, MessageTokens
 from server.queue.protocol import WorkItem
 from shared.api import MessageState, WorkParameters
 from shared.packing import pack_ids
@@ -33,10 +35,43 @@ class Work:
     created_at: datetime
     failures: int
     params: WorkParameters
+    work_parameters: dict[str, Any]  # as stored (params is their parsed form)
     path: list[WorkMessage]  # root..parent, as the template sees them
     prior: PriorChain | None
     parent_chain: str | None  # the parent's prefix-index key (None: not indexed)
     from_memory: bool = False
+
+    def stored(
+        self, record: GenerationRecord, tokens: dict[str, Any], attempt: int, worker_id: str, chain_hash: str | None
+    ) -> Finished:
+        """The message and its token row as ``WorkStore.store`` just wrote them (complete)."""
+        message = Message(
+            id=self.message_id,
+            chat_id=self.chat_id,
+            parent_id=self.parent_id,
+            role="assistant",
+            content=record.content,
+            tool_call_id=None,
+            reasoning_content=record.reasoning_content,
+            tool_calls=record.tool_calls or None,
+            state=MessageState.complete.value,
+            created_at=self.created_at,
+            modified_at=tokens["created_at"],
+            score=0,
+            voted_at=None,
+            model_config_name=self.params.model_config_name,
+            work_parameters=self.work_parameters,
+            attempt=attempt,
+            failures=self.failures,
+            worker_id=worker_id,
+            error=None,
+            error_code=None,
+            finish_reason=record.finish_reason,
+            prompt_token_count=len(record.prompt_ids),
+            completion_token_count=len(record.completion_ids),
+            chain_hash=chain_hash,
+        )
+        return Finished(message, MessageTokens(**tokens))
 
     def frame(self, model_name: str, attempt: int, seed: int | None, resume: ResumeState | None) -> WorkFrame:
         params = self.params
@@ -80,6 +115,7 @@ class WorkSource:
                     created_at=pending.created_at,
                     failures=0,
                     params=WorkParameters.model_validate(pending.work_parameters),
+                    work_parameters=pending.work_parameters,
                     path=path,
                     prior=prior,
                     parent_chain=parent_chain,
@@ -104,6 +140,7 @@ class WorkSource:
             created_at=msg.created_at,
             failures=msg.failures,
             params=params,
+            work_parameters=msg.work_parameters or {},
             path=[work_message(m) for m in rows],
             prior=prior,
             parent_chain=rows[-1].chain_hash if rows else None,

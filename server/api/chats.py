@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import secrets
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request, Response
@@ -148,8 +147,9 @@ async def create_assistant_message(
         )
     await admit(state.settings, state.rate_limiter, repo.session, repo.user.id, body.model_config_name)
     sampling = body.sampling_parameters
-    seed = sampling.seed if sampling.seed is not None else secrets.randbelow(2**63)
-    msg = await repo.add_assistant_message(chat_id, body.parent_id, body.model_config_name, sampling, seed)
+    # no seed unless the client asked for one (DESIGN D17): the engine then samples with its own
+    # randomness, on vLLM's batched path rather than per-request generators
+    msg = await repo.add_assistant_message(chat_id, body.parent_id, body.model_config_name, sampling, sampling.seed)
     await enqueue(state, [msg])
     return message_to_read(msg)
 

@@ -231,7 +231,7 @@ class ChatRepository:
         return msg
 
     async def add_assistant_message(
-        self, chat_id: str, parent_id: str, model_config_name: str, sampling: SamplingParameters, seed: int
+        self, chat_id: str, parent_id: str, model_config_name: str, sampling: SamplingParameters, seed: int | None
     ) -> Message:
         chat = await self.get_chat(chat_id)
         parent = await self.get_message(chat_id, parent_id)

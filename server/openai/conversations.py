@@ -17,7 +17,6 @@ messages to generate. The worker then stitches the prompt from the stored tokens
 from __future__ import annotations
 
 import json
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -322,12 +321,12 @@ class ConversationStore:
 
 
 def pending_assistants(
-    chat_id: str, parent_id: str, n: int, sampling: SamplingParameters, work: Callable[[int], WorkParameters]
+    chat_id: str, parent_id: str, n: int, sampling: SamplingParameters, work: Callable[[int | None], WorkParameters]
 ) -> list[Message]:
-    """``n`` sibling assistant messages to generate, seeded ``seed``, ``seed + 1``... (a random
-    base seed when the request gives none)."""
-    base_seed = sampling.seed if sampling.seed is not None else secrets.randbelow(2**62)
-    return [pending_assistant(chat_id, parent_id, work((base_seed + i) % 2**63)) for i in range(n)]
+    """``n`` sibling assistant messages to generate, seeded ``seed``, ``seed + 1``... when the request
+    gives a seed; unseeded otherwise (DESIGN D17: each samples with the engine's own randomness)."""
+    seed = sampling.seed
+    return [pending_assistant(chat_id, parent_id, work(None if seed is None else (seed + i) % 2**63)) for i in range(n)]
 
 
 async def store_raw(

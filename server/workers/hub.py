@@ -48,6 +48,7 @@ from shared.errors import ErrorCode
 from shared.protocol import (
     FEATURE_BATCH,
     FEATURE_DRAIN,
+    FEATURE_UNSEEDED,
     PROTOCOL_VERSION,
     CreditFrame,
     DrainFrame,
@@ -364,7 +365,10 @@ class WorkerHub:
         if item.attempt == 1:
             self.metrics.queue_wait.labels(item.model).observe(seconds_since(work.created_at))
         inflight.timer = StreamTimer(None if resume else work.created_at)
-        frame = work.frame(conn.hello.model_name, item.attempt, work.params.seed, resume)
+        seed = work.params.seed
+        if seed is None and FEATURE_UNSEEDED not in conn.hello.features:
+            seed = secrets.randbelow(2**63)  # a worker from before D17 needs one: any will do
+        frame = work.frame(conn.hello.model_name, item.attempt, seed, resume)
         inflight.next_index = len(resume.token_ids) if resume else 0
         inflight.streamed = list(resume.token_ids) if resume else []
         inflight.work = work

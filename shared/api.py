@@ -92,7 +92,7 @@ class WorkParameters(BaseModel):
     model_config_name: str
     sampling_parameters: SamplingParameters = Field(default_factory=SamplingParameters)
     do_sample: bool = True
-    seed: int
+    seed: int | None  # None: the client asked for no seed (DESIGN D17)
     # the chat's system prompt and tools when this message was requested
     system_prompt: str | None = None
     tools: list[ToolSchema] | None = None

@@ -134,6 +134,9 @@ class WelcomeFrame(BaseModel):
 FEATURE_BATCH = "batch"
 # Welcome feature: the server takes a ``drain`` frame (the worker is shutting down: no more work).
 FEATURE_DRAIN = "drain"
+# Hello feature: the worker takes ``seed: null`` in a work frame (no seed: the engine's own randomness,
+# DESIGN D17). A server sends null only to workers that say so; older workers get a seed every time.
+FEATURE_UNSEEDED = "unseeded"
 
 
 class DrainFrame(BaseModel):
@@ -197,7 +200,9 @@ class WorkFrame(BaseModel):
     model_name: str
     messages: list[WorkMessage]
     sampling: SamplingParameters
-    seed: int
+    # the sampling seed, or None: the client asked for none and the engine samples with its own
+    # randomness (DESIGN D17). Sent as null only to workers that advertise FEATURE_UNSEEDED.
+    seed: int | None
     tools: list[dict[str, Any]] | None = None
     prior: PriorChain | None = None
     resume: ResumeState | None = None

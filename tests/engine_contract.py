@@ -101,6 +101,17 @@ class Contract:
         assert a.tokens != c.tokens, "another seed gave the same 30 tokens"
         return "same seed equal, other seed differs"
 
+    async def unseeded_sampling(self) -> str:
+        """No seed: the engine's own randomness (DESIGN D17), alone and batched with seeded requests."""
+        unseeded = GenerationParams(max_new_tokens=30, temperature=1.0)
+        a, b = await self.run(PROMPT, unseeded), await self.run(PROMPT, unseeded)
+        assert len(a.tokens) == len(b.tokens) == 30 and a.last.finish_reason == "length", a.last
+        assert a.tokens != b.tokens, "two unseeded runs gave the same 30 tokens"
+        mixed = [GenerationParams(max_new_tokens=20, temperature=1.0, seed=7 if i % 2 else None) for i in range(6)]
+        outs = await asyncio.gather(*(self.run(PROMPT[: 4 + i], p) for i, p in enumerate(mixed)))
+        assert all(len(o.tokens) == 20 for o in outs), [len(o.tokens) for o in outs]
+        return "unseeded runs differ; 6 seeded and unseeded requests batched"
+
     async def abort_within_a_step(self) -> str:
         rid = "abort-me"
         gen = self.engine.generate(rid, PROMPT, GenerationParams(max_new_tokens=1000, temperature=1.0, seed=1))  # type: ignore[attr-defined]
@@ -163,6 +174,7 @@ class Contract:
             "t=1.2,top_k=50": GenerationParams(max_new_tokens=40, temperature=1.2, top_k=50, seed=4),
             "top_p=0.9": GenerationParams(max_new_tokens=40, temperature=1.0, top_p=0.9, seed=5),
             "rep=1.3": GenerationParams(max_new_tokens=40, temperature=0.8, repetition_penalty=1.3, seed=6),
+            "unseeded,top_k=20": GenerationParams(max_new_tokens=40, temperature=1.0, top_k=20),
         }
         worst, parts = 0.0, []
         for label, params in cases.items():
@@ -192,6 +204,7 @@ CHECKS: list[str] = [
     "max_new_tokens_length",
     "stop_token_ids",
     "same_seed_same_tokens",
+    "unseeded_sampling",
     "abort_within_a_step",
     "many_concurrent",
     "context_overflow",

@@ -22,6 +22,7 @@ class ScriptedEngine:
         self.info = EngineInfo(name="scripted", max_context=256)
         self.steps = steps
         self.prompts: list[list[int]] = []
+        self.params: list[GenerationParams] = []
         self.aborted: list[str] = []
 
     async def start(self) -> None: ...
@@ -30,6 +31,7 @@ class ScriptedEngine:
         self, request_id: str, prompt_ids: list[int], params: GenerationParams
     ) -> AsyncIterator[TokenStep]:
         self.prompts.append(prompt_ids)
+        self.params.append(params)
         for step in self.steps:
             yield step
 
@@ -44,7 +46,7 @@ def fmt(tiny_model_dir: Path) -> ChatFormat:
     return ChatFormat.load(str(tiny_model_dir))
 
 
-def work(**sampling: object) -> WorkFrame:
+def work(seed: int | None = 0, **sampling: object) -> WorkFrame:
     messages = [WorkMessage(id="u1", role="user", content="hi")]
     return WorkFrame(
         message_id="m",
@@ -53,7 +55,7 @@ def work(**sampling: object) -> WorkFrame:
         model_name="tiny",
         messages=messages,
         sampling=SamplingParameters.model_validate(sampling),
-        seed=0,
+        seed=seed,
     )
 
 
@@ -109,3 +111,12 @@ def test_a_resumed_attempt_continues_after_the_streamed_tokens(fmt: ChatFormat) 
     assert tokens.start == 1 and engine.prompts[0][-1] == ids[0]
     assert finished.record.completion_ids == ids and finished.record.resumed_at == [1]
     assert finished.record.completion_text == "Resumed text here"
+
+
+@pytest.mark.parametrize("seed", [None, 0, 2**63 - 1])
+def test_the_engine_gets_a_seed_only_when_the_work_has_one(fmt: ChatFormat, seed: int | None) -> None:
+    engine = ScriptedEngine([TokenStep([5], [-1.0], finish_reason="length")])
+    frame = WorkFrame.model_validate_json(work(seed=seed).model_dump_json())  # null on the wire: no seed
+    assert frame.seed == seed
+    run(engine, fmt, frame)
+    assert engine.params[0].seed == seed

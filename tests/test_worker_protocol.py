@@ -16,7 +16,7 @@ import websockets
 from typer.testing import CliRunner
 
 from server.settings import ServerSettings
-from shared.protocol import PROTOCOL_VERSION
+from shared.protocol import FEATURE_UNSEEDED, PROTOCOL_VERSION
 from tests.stack import MODEL, ServerThread, WorkerThread, worker_key
 from tests.test_e2e_embedded import events, login, turn
 from tokentrail.cli import app
@@ -255,3 +255,11 @@ def test_work_that_ended_just_before_a_lost_connection_is_named_to_the_next_serv
     client._ended("just-now", 3)
     asyncio.run(client._abort_all())
     assert client.hello().released == [("just-now", 3)]
+
+
+def test_the_worker_says_it_takes_work_without_a_seed(tiny_model_dir: Path) -> None:
+    """``unseeded`` in hello: the server may send ``seed: null`` (the client asked for no seed), which
+    an older worker, which does not say it, would refuse."""
+    fmt = ChatFormat.load(str(tiny_model_dir))
+    client = WorkerClient(WorkerOptions("http://127.0.0.1:9", "k", MODEL), HFEngine(str(tiny_model_dir)), fmt)
+    assert FEATURE_UNSEEDED == "unseeded" and FEATURE_UNSEEDED in client.hello().features

@@ -24,6 +24,7 @@ from shared.protocol import (
     FEATURE_BATCH,
     FEATURE_DRAIN,
     FEATURE_RPC,
+    FEATURE_UNSEEDED,
     PROTOCOL_VERSION,
     CancelFrame,
     CreditFrame,
@@ -111,7 +112,7 @@ class WorkerClient:
             compat_hash=self.fmt.compat_hash,
             capacity=self.options.max_parallel,
             max_context=self.engine.info.max_context,
-            features=[FEATURE_RPC],
+            features=[FEATURE_RPC, FEATURE_UNSEEDED],
             vocab_size=vocab_size(self.fmt),
             released=list(self._released.items()),
         )

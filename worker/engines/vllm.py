@@ -4,7 +4,9 @@ Requests go in as ``TokensPrompt`` (token IDs only: the tokenizer is never initi
 ``RequestOutputKind.DELTA`` outputs, explicit ``max_tokens`` and ``stop_token_ids`` and ``ignore_eos``
 (only the caller's stop IDs end a request). The engine runs with ``logprobs_mode="processed_logprobs"``,
 so the logprob of each sampled token (looked up by id, D7) is taken after penalties, temperature and
-top-k/top-p. Prefix caching is on by default; ``num_cached_tokens`` comes with the first step.
+top-k/top-p. A request gets a sampling seed only when it has one (DESIGN D17: per-request generators
+are vLLM's slower sampling path). Prefix caching is on by default; ``num_cached_tokens`` comes with the
+first step.
 
 vLLM is imported lazily: its pins (transformers, fastapi) clash with the server's, so it lives in its
 own environment (``scripts/vllm_env.sh``) and importing this module never needs it.

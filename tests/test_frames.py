@@ -67,3 +67,13 @@ def test_a_numpy_scalar_is_encoded_as_pydantic_would() -> None:
 
     frame = StepTokens("m", 1, 0, [np.int64(5)], [np.float32(-0.5)], ["a"])  # type: ignore[list-item]
     assert orjson.loads(frame.json()) == orjson.loads(frame.frame().model_dump_json())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.floats(allow_nan=True, allow_infinity=True, width=64), max_size=8))
+def test_to_float32_rounds_as_numpy_does(values: list[float]) -> None:
+    import numpy as np
+
+    with np.errstate(over="ignore"):
+        expected = np.asarray(values, dtype=np.float64).astype(np.float32).astype(np.float64)
+    assert np.asarray(to_float32(values), dtype=np.float64).tobytes() == expected.tobytes()

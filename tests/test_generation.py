@@ -121,3 +121,20 @@ def test_the_engine_gets_a_seed_only_when_the_work_has_one(fmt: ChatFormat, seed
     assert frame.seed == seed
     run(engine, fmt, frame)
     assert engine.params[0].seed == seed
+
+
+def test_a_stop_string_across_steps_and_after_a_resume(fmt: ChatFormat) -> None:
+    ids = fmt.tokenizer.encode("one two three four five")
+    steps = [TokenStep([t], [-1.0]) for t in ids] + [TokenStep([5], [-1.0], finish_reason="length")]
+    *tokens, finished = run(ScriptedEngine(steps), fmt, work(stop=["two three", "zzz"]))
+    assert isinstance(finished, FinishedFrame) and finished.record.stop_reason == "two three"
+    assert finished.record.completion_text.endswith("two three") and finished.record.content == "one "
+    # resumed after "one two": the first new token completes the stop string begun before
+    cut = next(k for k in range(len(ids)) if fmt.tokenizer.decode(ids[:k]).endswith("two"))
+    texts = [fmt.tokenizer.decode(ids[:cut])] + [""] * (cut - 1)
+    resume = ResumeState(compat_hash=fmt.compat_hash, token_ids=ids[:cut], logprobs=[-0.5] * cut, texts=texts)
+    frame = work(stop=["two three"]).model_copy(update={"resume": resume})
+    *tokens, finished = run(ScriptedEngine([TokenStep([t], [-1.0]) for t in ids[cut:]]), fmt, frame)
+    done = next(k for k in range(len(ids) + 1) if "two three" in fmt.tokenizer.decode(ids[:k]))
+    assert len(tokens) == done - cut and isinstance(finished, FinishedFrame)
+    assert finished.record.stop_reason == "two three" and finished.record.completion_ids == ids[:done]

@@ -1,14 +1,15 @@
 """The ``vllm`` engine (DESIGN D6): vLLM's ``AsyncLLM`` behind the token-in, token-steps-out contract.
 
-Requests go in as ``TokensPrompt`` (token IDs only: the tokenizer is never initialised) with
-``RequestOutputKind.DELTA`` outputs, explicit ``max_tokens`` and ``stop_token_ids`` and ``ignore_eos``
-(only the caller's stop IDs end a request). The engine runs with ``logprobs_mode="processed_logprobs"``,
-so the logprob of each sampled token (looked up by id, D7) is taken after penalties, temperature and
-top-k/top-p. Requests ask for ``logprobs=0`` (the sampled token's alone) unless top logprobs were asked
-for, and, where vLLM has them, flat logprobs (plain lists: no dict and ``Logprob`` objects per token in
-vLLM's output handling). A request gets a sampling seed only when it has one (DESIGN D17: per-request
-generators are vLLM's slower sampling path). Prefix caching is on by default; ``num_cached_tokens`` comes with the
-first step.
+Requests go in as token IDs only (the tokenizer is never initialised): a rendered engine input
+(``tokens_input``), which vLLM takes as it is, where this vLLM has it, else a ``TokensPrompt`` (which vLLM
+renders in a thread pool first: a thread hop per request). Outputs are ``RequestOutputKind.DELTA``, with
+explicit ``max_tokens`` and ``stop_token_ids`` and ``ignore_eos`` (only the caller's stop IDs end a
+request). The engine runs with ``logprobs_mode="processed_logprobs"``, so the logprob of each sampled token
+(looked up by id, D7) is taken after penalties, temperature and top-k/top-p. Requests ask for
+``logprobs=0`` (the sampled token's alone) unless top logprobs were asked for, and, where vLLM has them,
+flat logprobs (plain lists: no dict and ``Logprob`` objects per token in vLLM's output handling). A request
+gets a sampling seed only when it has one (DESIGN D17: per-request generators are vLLM's slower sampling
+path). Prefix caching is on by default; ``num_cached_tokens`` comes with the first step.
 
 vLLM is imported lazily: its pins (transformers, fastapi) clash with the server's, so it lives in its
 own environment (``scripts/vllm_env.sh``) and importing this module never needs it.
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,7 @@ class VLLMEngine:
         self._llm: Any = None
         self._vocab = 0
         self._flat_logprobs = False  # this vLLM returns logprobs as flat lists (FlatLogprobs)
+        self._prompt: Callable[[list[int]], Any] = lambda ids: None  # token ids -> vLLM's prompt input
         self._aborted: set[str] = set()
 
     async def start(self) -> None:
@@ -83,6 +85,14 @@ class VLLMEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._flat_logprobs = "flat_logprobs" in getattr(SamplingParams, "__struct_fields__", ())
+        try:  # a rendered engine input: processed inline (a TokensPrompt goes through a thread pool)
+            from vllm.inputs.engine import tokens_input
+
+            self._prompt = tokens_input
+        except ImportError:
+            from vllm.inputs import TokensPrompt
+
+            self._prompt = lambda ids: TokensPrompt(prompt_token_ids=ids)
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._args))
         model_config = self._llm.model_config
         self.info.max_context = int(model_config.max_model_len)
@@ -135,14 +145,12 @@ class VLLMEngine:
             raise EngineError(
                 "context_overflow", f"prompt has {len(prompt_ids)} tokens; the context holds {self.info.max_context}"
             )
-        from vllm.inputs import TokensPrompt
-
         sampling = self._sampling_params(params, min(params.max_new_tokens, room))
         self._aborted.discard(request_id)
         first = True
         finished = False
         try:
-            stream = self._llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), sampling, request_id)
+            stream = self._llm.generate(self._prompt(list(prompt_ids)), sampling, request_id)
             async for out in stream:
                 completion = out.outputs[0]
                 step = _step(completion, params.top_logprobs)

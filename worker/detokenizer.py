@@ -49,8 +49,12 @@ def rust_backend(tokenizer: Any) -> Any | None:
     return backend
 
 
+_UNSET: Any = object()
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, *, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Any, *, skip_special_tokens: bool = True, rust: Any = _UNSET) -> None:
+        """``rust``: ``rust_backend(tokenizer)`` when the caller has it already (None: the Python path)."""
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self._ids: list[int] = []
@@ -58,7 +62,7 @@ class IncrementalDetokenizer:
         self._read_offset = 0  # tokens up to here have been turned into text
         self._pieces: list[str] = []
         self._text: str | None = ""  # "".join(self._pieces) when not None
-        self._rust = rust_backend(tokenizer)
+        self._rust = rust_backend(tokenizer) if rust is _UNSET else rust
         self._stream: Any = None
         if self._rust is not None:
             from tokenizers.decoders import DecodeStream

@@ -26,7 +26,7 @@ from shared.protocol import (
     WorkFrame,
 )
 from worker.chat_format import ChatFormat
-from worker.detokenizer import IncrementalDetokenizer
+from worker.detokenizer import IncrementalDetokenizer, rust_backend
 from worker.engines.contract import Engine, EngineError, GenerationParams, TokenStep
 from worker.frames import StepTokens
 from worker.output_parser import OutputParser, ParsedOutput
@@ -50,6 +50,7 @@ class Pipeline:
         self.fmt = fmt
         self.prompts = Prompts(fmt, mode=prompt_mode, closer_policy=closer_policy)
         self.parser = OutputParser.for_tokenizer(fmt.tokenizer, fmt.template_for(None))
+        self.texts = TokenTexts(fmt.tokenizer)
 
     async def frames(self, work: WorkFrame) -> AsyncGenerator[StepTokens | FinishedFrame, None]:
         gen = self._start(work)
@@ -92,7 +93,7 @@ class Pipeline:
                 ErrorCode.context_overflow.value,
                 f"the prompt has {len(prompt.prompt_ids)} tokens; the model's context holds {max_context}",
             )
-        gen = Generation(work, prompt, check, self.fmt, self.parser)
+        gen = Generation(work, prompt, check, self.fmt, self.parser, self.texts)
         if work.resume is not None:
             gen.resume(work.resume)
         return gen
@@ -119,9 +120,16 @@ class Generation:
     as streamed, and how it ended."""
 
     def __init__(
-        self, work: WorkFrame, prompt: BuiltPrompt, prompt_check: str | None, fmt: ChatFormat, parser: OutputParser
+        self,
+        work: WorkFrame,
+        prompt: BuiltPrompt,
+        prompt_check: str | None,
+        fmt: ChatFormat,
+        parser: OutputParser,
+        texts: TokenTexts | None = None,
     ) -> None:
         self.work = work
+        self.texts = texts or TokenTexts(fmt.tokenizer)
         self.prompt = prompt
         self.prompt_check = prompt_check  # how client-supplied prompt tokens compared with the built prompt
         self.fmt = fmt
@@ -129,7 +137,7 @@ class Generation:
         self.chat = work.raw is None  # raw prompts get no channels and no reply parsing
         self.opens_think = self.chat and parser.opened_by(prompt.prompt_ids)
         self.tracker = parser.channels(prompt_opens_think=self.opens_think) if self.chat else None
-        self.detok = IncrementalDetokenizer(fmt.tokenizer)
+        self.detok = IncrementalDetokenizer(fmt.tokenizer, rust=self.texts.rust)
         self.stops = StopStrings(work.sampling.stop)
         self.token_ids: list[int] = []
         self.logprobs: list[float | None] = []
@@ -240,8 +248,25 @@ class Generation:
     def _top(self, rows: list[list[tuple[int, float]]] | None) -> list[list[TopLogprob]] | None:
         if rows is None:
             return None
-        decode = self.fmt.tokenizer.decode
-        return [[(i, float(lp), decode([i])) for i, lp in row] for row in rows]
+        text = self.texts.text
+        return [[(i, float(lp), text(i)) for i, lp in row] for row in rows]
+
+
+class TokenTexts:
+    """Per tokenizer, computed once: its Rust backend for detokenizers, and each token's own text (top
+    logprobs' alternatives; at most one string per vocabulary entry)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.rust = rust_backend(tokenizer)
+        self._texts: dict[int, str] = {}
+
+    def text(self, token_id: int) -> str:
+        """``tokenizer.decode([token_id])``."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
 
 class Prompts:

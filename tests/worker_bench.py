@@ -5,6 +5,10 @@ gives each one token per engine step, as vLLM's output handler does; every messa
 worker's real path: ``WorkerClient._work`` -> ``Pipeline.frames`` (prompt build, detokenizer, channels,
 stop strings, frames) -> the batching outbox -> one websocket message per step, sent to a socket that
 only counts bytes. Prints the worker's CPU (process time) per token, best of ``--repeat`` runs.
+
+``--agent TURNS``: each stream is an agent loop instead: TURNS turns of one conversation, each turn's
+work frame (the whole path, the prior turn's stored tokens) encoded as the server sends it and parsed
+as the worker receives it, its prompt stitched; per-request costs are then part of the figure.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from shared.api import SamplingParameters
-from shared.protocol import WorkFrame, WorkMessage
+from shared.protocol import FinishedFrame, PriorChain, WorkFrame, WorkMessage, server_frame_adapter
 from worker.chat_format import ChatFormat
 from worker.client import WorkerClient, WorkerOptions
 from worker.engines.contract import EngineInfo, GenerationParams, TokenStep
@@ -62,11 +66,14 @@ class SteppedEngine:
         finally:
             del self.queues[request_id]
 
-    async def run(self, first_prompts: dict[str, list[int]]) -> None:
-        """Tick until every request finished."""
+    async def run(self, first_prompts: dict[str, list[int]], *, forever: bool = False) -> None:
+        """Tick until every request finished (``forever``: wait for the next ones; cancel to stop)."""
         pos: dict[str, int] = {}
         await self.started.wait()
-        while self.queues:
+        while self.queues or forever:
+            if not self.queues:
+                self.started.clear()
+                await self.started.wait()
             for rid, queue in list(self.queues.items()):
                 k = pos.get(rid, 0)
                 pos[rid] = k + 1
@@ -127,6 +134,63 @@ async def one_run(fmt: ChatFormat, streams: int, tokens: int, **sampling: Any) -
     return time.process_time() - t0, engine.produced, sock
 
 
+async def agent_run(fmt: ChatFormat, streams: int, tokens: int, turns: int) -> tuple[float, int, CountingSocket]:
+    """``streams`` conversations of ``turns`` turns each; a turn's reply is ``tokens`` tokens."""
+    reply = fmt.tokenizer.encode(TEXT, add_special_tokens=False)
+    engine = SteppedEngine(reply, tokens, fmt.stop_token_ids[0])
+    client = WorkerClient(WorkerOptions(server_url="ws://unused", api_key="", model_name="tiny"), engine, fmt)
+    sock = CountingSocket()
+    client._ws = sock  # type: ignore[assignment]
+    client._batching = True
+    finished: dict[str, FinishedFrame] = {}
+    send = client._send
+
+    async def capture(frame: Any) -> None:
+        if isinstance(frame, FinishedFrame):
+            finished[frame.message_id] = frame
+        await send(frame)
+
+    client._send = capture  # type: ignore[method-assign]
+
+    async def conversation(i: int) -> None:
+        path = [WorkMessage(id="system", role="system", content="You are terse.")]
+        prior: PriorChain | None = None
+        for t in range(turns):
+            words = " ".join(TEXT.split()[(i + t) % 9 :][:20])
+            path.append(WorkMessage(id=f"u{i}.{t}", role="user", content=words))
+            work = WorkFrame(
+                message_id=f"a{i}.{t}",
+                attempt=1,
+                chat_id=f"c{i}",
+                model_name="tiny",
+                messages=path,
+                sampling=SamplingParameters(max_new_tokens=tokens + 8),
+                seed=None,
+                prior=prior,
+            )
+            frame = server_frame_adapter.validate_json(work.model_dump_json())  # as the worker receives it
+            assert isinstance(frame, WorkFrame)
+            await client._work(frame)
+            record = finished[work.message_id].record
+            path.append(WorkMessage(id=work.message_id, role="assistant", content=record.content))
+            prior = PriorChain(
+                message_id=work.message_id,
+                prompt_ids=record.prompt_ids,
+                completion_ids=record.completion_ids,
+                finish_reason=record.finish_reason,
+                stop_reason=record.stop_reason,
+                tokenizer_hash=record.tokenizer_hash,
+                template_hash=record.template_hash,
+                system_prompt="You are terse.",
+            )
+
+    t0 = time.process_time()
+    ticker = asyncio.create_task(engine.run({}, forever=True))
+    await asyncio.gather(*(conversation(i) for i in range(streams)))
+    ticker.cancel()
+    return time.process_time() - t0, engine.produced, sock
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="tiny-chatml")
@@ -135,6 +199,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     ap.add_argument("--top-logprobs", type=int, default=0)
+    ap.add_argument("--agent", type=int, default=0, metavar="TURNS", help="agent loops of TURNS turns per stream")
     args = ap.parse_args()
     from worker.tiny import resolve_model
 
@@ -149,10 +214,14 @@ def main() -> None:
         loop_factory = None
     for _ in range(args.repeat):
         with asyncio.Runner(loop_factory=loop_factory) as runner:
-            cpu, produced, sock = runner.run(one_run(fmt, args.streams, args.tokens, **sampling))
+            if args.agent:
+                cpu, produced, sock = runner.run(agent_run(fmt, args.streams, args.tokens, args.agent))
+            else:
+                cpu, produced, sock = runner.run(one_run(fmt, args.streams, args.tokens, **sampling))
         best = min(best, cpu / produced)
     print(
-        f"streams={args.streams} tokens/reply={args.tokens} stop={args.stop} top_logprobs={args.top_logprobs}: "
+        f"streams={args.streams} tokens/reply={args.tokens} stop={args.stop} top_logprobs={args.top_logprobs} "
+        f"agent turns={args.agent}: "
         f"{best * 1e6:.1f} us CPU per token (best of {args.repeat}); "
         f"{sock.messages} websocket messages, {sock.bytes / produced:.0f} bytes per token"
     )

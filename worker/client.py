@@ -13,6 +13,7 @@ import contextlib
 import logging
 import random
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import websockets
@@ -99,7 +100,7 @@ class WorkerClient:
         self._released: dict[str, int] = {}  # work lost with the last connection, told to the next server
         # Work ended here moments ago (message id -> (attempt, when)): its last frames may have died
         # with the server before being stored, so it is named in ``released`` too (fenced by attempt).
-        self._recent: dict[str, tuple[int, float]] = {}
+        self._recent: OrderedDict[str, tuple[int, float]] = OrderedDict()  # oldest first
         self._drain_frames = False  # the server takes a drain frame
         self.completed = 0
 
@@ -338,9 +339,13 @@ class WorkerClient:
 
     def _ended(self, message_id: str, attempt: int) -> None:
         now = time.monotonic()
-        self._recent[message_id] = (attempt, now)
-        if len(self._recent) > 256:  # keep only what a reconnect could still need
-            self._recent = {k: v for k, v in self._recent.items() if v[1] >= now - _UNSTORED_S}
+        recent = self._recent
+        recent[message_id] = (attempt, now)
+        recent.move_to_end(message_id)
+        # keep what a reconnect could still need: drop the oldest, one at a time (not a rebuild per
+        # message once more than 256 ended within the window)
+        while len(recent) > 256 and next(iter(recent.values()))[1] < now - _UNSTORED_S:
+            recent.popitem(last=False)
 
     async def _send_quietly(self, frame: FailedFrame | CreditFrame) -> None:
         with contextlib.suppress(ConnectionError, websockets.exceptions.WebSocketException):

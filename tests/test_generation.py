@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from shared.api import SamplingParameters
-from shared.protocol import FinishedFrame, ResumeState, TokensFrame, WorkFrame, WorkMessage
+from shared.protocol import FinishedFrame, ResumeState, WorkFrame, WorkMessage
 from worker.chat_format import ChatFormat
 from worker.engines.contract import EngineInfo, GenerationParams, TokenStep
+from worker.frames import StepTokens
 from worker.generation import Pipeline
 
 
@@ -59,8 +60,8 @@ def work(seed: int | None = 0, **sampling: object) -> WorkFrame:
     )
 
 
-def run(engine: ScriptedEngine, fmt: ChatFormat, frame: WorkFrame) -> list[TokensFrame | FinishedFrame]:
-    async def collect() -> list[TokensFrame | FinishedFrame]:
+def run(engine: ScriptedEngine, fmt: ChatFormat, frame: WorkFrame) -> list[StepTokens | FinishedFrame]:
+    async def collect() -> list[StepTokens | FinishedFrame]:
         return [out async for out in Pipeline(engine, fmt).frames(frame)]
 
     return asyncio.run(collect())
@@ -76,10 +77,10 @@ def test_one_tokens_frame_per_engine_step_then_the_record(fmt: ChatFormat) -> No
         ]
     )
     *tokens, finished = run(engine, fmt, work())
-    assert all(isinstance(t, TokensFrame) for t in tokens) and isinstance(finished, FinishedFrame)
-    assert [t.start for t in tokens if isinstance(t, TokensFrame)] == [0, 2]
+    assert all(isinstance(t, StepTokens) for t in tokens) and isinstance(finished, FinishedFrame)
+    assert [t.start for t in tokens if isinstance(t, StepTokens)] == [0, 2]
     first, second = tokens
-    assert isinstance(first, TokensFrame) and isinstance(second, TokensFrame)
+    assert isinstance(first, StepTokens) and isinstance(second, StepTokens)
     assert first.prompt_ids == engine.prompts[0] and second.prompt_ids is None
     record = finished.record
     assert record.completion_ids == [*ids, end] and record.prompt_ids == engine.prompts[0]
@@ -107,7 +108,7 @@ def test_a_resumed_attempt_continues_after_the_streamed_tokens(fmt: ChatFormat) 
     engine = ScriptedEngine([TokenStep(ids[1:], [-1.0] * (len(ids) - 1), finish_reason="length")])
     frame = work(max_new_tokens=len(ids)).model_copy(update={"resume": resume})
     tokens, finished = run(engine, fmt, frame)
-    assert isinstance(tokens, TokensFrame) and isinstance(finished, FinishedFrame)
+    assert isinstance(tokens, StepTokens) and isinstance(finished, FinishedFrame)
     assert tokens.start == 1 and engine.prompts[0][-1] == ids[0]
     assert finished.record.completion_ids == ids and finished.record.resumed_at == [1]
     assert finished.record.completion_text == "Resumed text here"
@@ -120,3 +121,20 @@ def test_the_engine_gets_a_seed_only_when_the_work_has_one(fmt: ChatFormat, seed
     assert frame.seed == seed
     run(engine, fmt, frame)
     assert engine.params[0].seed == seed
+
+
+def test_a_stop_string_across_steps_and_after_a_resume(fmt: ChatFormat) -> None:
+    ids = fmt.tokenizer.encode("one two three four five")
+    steps = [TokenStep([t], [-1.0]) for t in ids] + [TokenStep([5], [-1.0], finish_reason="length")]
+    *tokens, finished = run(ScriptedEngine(steps), fmt, work(stop=["two three", "zzz"]))
+    assert isinstance(finished, FinishedFrame) and finished.record.stop_reason == "two three"
+    assert finished.record.completion_text.endswith("two three") and finished.record.content == "one "
+    # resumed after "one two": the first new token completes the stop string begun before
+    cut = next(k for k in range(len(ids)) if fmt.tokenizer.decode(ids[:k]).endswith("two"))
+    texts = [fmt.tokenizer.decode(ids[:cut])] + [""] * (cut - 1)
+    resume = ResumeState(compat_hash=fmt.compat_hash, token_ids=ids[:cut], logprobs=[-0.5] * cut, texts=texts)
+    frame = work(stop=["two three"]).model_copy(update={"resume": resume})
+    *tokens, finished = run(ScriptedEngine([TokenStep([t], [-1.0]) for t in ids[cut:]]), fmt, frame)
+    done = next(k for k in range(len(ids) + 1) if "two three" in fmt.tokenizer.decode(ids[:k]))
+    assert len(tokens) == done - cut and isinstance(finished, FinishedFrame)
+    assert finished.record.stop_reason == "two three" and finished.record.completion_ids == ids[:done]

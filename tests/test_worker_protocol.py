@@ -264,3 +264,21 @@ def test_the_worker_says_it_takes_work_without_a_seed(tiny_model_dir: Path) -> N
     fmt = ChatFormat.load(str(tiny_model_dir))
     client = WorkerClient(WorkerOptions("http://127.0.0.1:9", "k", MODEL), HFEngine(str(tiny_model_dir)), fmt)
     assert FEATURE_UNSEEDED == "unseeded" and FEATURE_UNSEEDED in client.hello().features
+
+
+def test_ended_work_is_remembered_within_the_window_and_bounded_after(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fmt = ChatFormat.load(str(tiny_model_dir))
+    client = WorkerClient(WorkerOptions("http://127.0.0.1:9", "k", MODEL), HFEngine(str(tiny_model_dir)), fmt)
+    now = [1000.0]
+    monkeypatch.setattr("worker.client.time.monotonic", lambda: now[0])
+    for i in range(400):  # all within the window: all kept
+        client._ended(f"m{i}", 1)
+    assert len(client._recent) == 400
+    now[0] += 30
+    client._ended("m7", 2)  # ended again: now the newest
+    client._ended("late", 1)
+    assert len(client._recent) <= 256 and list(client._recent)[-2:] == ["m7", "late"]
+    asyncio.run(client._abort_all())
+    assert client.hello().released == [("m7", 2), ("late", 1)]

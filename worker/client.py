@@ -13,6 +13,7 @@ import contextlib
 import logging
 import random
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import websockets
@@ -43,6 +44,7 @@ from shared.protocol import (
 )
 from worker.chat_format import ChatFormat, RenderError
 from worker.engines.contract import Engine, EngineError
+from worker.frames import StepTokens
 from worker.generation import Pipeline
 from worker.prompt_builder import CloserPolicy, PromptMode, template_error
 from worker.rpc import RpcError, handle_rpc, vocab_size
@@ -98,7 +100,7 @@ class WorkerClient:
         self._released: dict[str, int] = {}  # work lost with the last connection, told to the next server
         # Work ended here moments ago (message id -> (attempt, when)): its last frames may have died
         # with the server before being stored, so it is named in ``released`` too (fenced by attempt).
-        self._recent: dict[str, tuple[int, float]] = {}
+        self._recent: OrderedDict[str, tuple[int, float]] = OrderedDict()  # oldest first
         self._drain_frames = False  # the server takes a drain frame
         self.completed = 0
 
@@ -244,14 +246,16 @@ class WorkerClient:
         | FailedFrame
         | HeartbeatFrame
         | RpcResultFrame
-        | DrainFrame,
+        | DrainFrame
+        | StepTokens,
     ) -> None:
         ws = self._ws
         if ws is None:
             raise ConnectionError("not connected")
+        data = frame.json() if isinstance(frame, StepTokens) else frame.model_dump_json().encode()
         if not self._batching:
             async with self._send_lock:
-                await ws.send(frame.model_dump_json())
+                await ws.send(data.decode())
             return
         # Frames sent while the loop runs one engine step's consumers go out as one message: the
         # first schedules the flush, the rest join it; each sender waits for (and sees errors of) it.
@@ -259,7 +263,7 @@ class WorkerClient:
         if box is None or box.ws is not ws:
             box = self._outbox = _Outbox(ws)
             asyncio.get_running_loop().create_task(self._flush(box))
-        box.frames.append(frame.model_dump_json())
+        box.frames.append(data)
         await asyncio.shield(box.sent)
 
     async def _flush(self, box: _Outbox) -> None:
@@ -269,7 +273,8 @@ class WorkerClient:
         frames = box.frames
         try:
             async with self._send_lock:
-                await box.ws.send(frames[0] if len(frames) == 1 else "[" + ",".join(frames) + "]")
+                # a text message, as the server reads it
+                await box.ws.send((frames[0] if len(frames) == 1 else b"[" + b",".join(frames) + b"]").decode())
             box.sent.set_result(None)
         except Exception as exc:
             box.sent.set_exception(exc)
@@ -334,9 +339,13 @@ class WorkerClient:
 
     def _ended(self, message_id: str, attempt: int) -> None:
         now = time.monotonic()
-        self._recent[message_id] = (attempt, now)
-        if len(self._recent) > 256:  # keep only what a reconnect could still need
-            self._recent = {k: v for k, v in self._recent.items() if v[1] >= now - _UNSTORED_S}
+        recent = self._recent
+        recent[message_id] = (attempt, now)
+        recent.move_to_end(message_id)
+        # keep what a reconnect could still need: drop the oldest, one at a time (not a rebuild per
+        # message once more than 256 ended within the window)
+        while len(recent) > 256 and next(iter(recent.values()))[1] < now - _UNSTORED_S:
+            recent.popitem(last=False)
 
     async def _send_quietly(self, frame: FailedFrame | CreditFrame) -> None:
         with contextlib.suppress(ConnectionError, websockets.exceptions.WebSocketException):
@@ -348,7 +357,7 @@ class _Outbox:
 
     def __init__(self, ws: ClientConnection) -> None:
         self.ws = ws
-        self.frames: list[str] = []
+        self.frames: list[bytes] = []  # each frame's JSON
         self.sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         # mark a failure retrieved even when every sender has gone (their tasks were cancelled)
         self.sent.add_done_callback(lambda f: None if f.cancelled() else f.exception())

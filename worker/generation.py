@@ -1,10 +1,11 @@
 """One message's generation, apart from the websocket: a work frame in, the frames that stream it out.
 
-``Pipeline.frames`` builds the prompt, runs the engine and yields one ``TokensFrame`` per engine step
-that produced tokens, then the ``FinishedFrame`` with the ``GenerationRecord``. The caller sends each
-frame before asking for the next (a stop string's abort follows the send of the frame that completed
-it). Failures are raised: ``EngineError`` and ``worker.chat_format.RenderError``, for the caller to
-report. A resumed attempt continues after the tokens an earlier attempt streamed.
+``Pipeline.frames`` builds the prompt, runs the engine and yields one tokens frame (``StepTokens``: a
+``TokensFrame`` encoded without pydantic) per engine step that produced tokens, then the ``FinishedFrame``
+with the ``GenerationRecord``. The caller sends each frame before asking for the next (a stop string's
+abort follows the send of the frame that completed it). Failures are raised: ``EngineError`` and
+``worker.chat_format.RenderError``, for the caller to report. A resumed attempt continues after the
+tokens an earlier attempt streamed.
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ from shared.protocol import (
     FinishReason,
     GenerationRecord,
     ResumeState,
-    TokensFrame,
     TopLogprob,
     WorkFrame,
 )
 from worker.chat_format import ChatFormat
-from worker.detokenizer import IncrementalDetokenizer
+from worker.detokenizer import IncrementalDetokenizer, rust_backend
 from worker.engines.contract import Engine, EngineError, GenerationParams, TokenStep
+from worker.frames import StepTokens
 from worker.output_parser import OutputParser, ParsedOutput
 from worker.prompt_builder import BuiltPrompt, CloserPolicy, PromptBuilder, PromptMode
 
@@ -49,8 +50,9 @@ class Pipeline:
         self.fmt = fmt
         self.prompts = Prompts(fmt, mode=prompt_mode, closer_policy=closer_policy)
         self.parser = OutputParser.for_tokenizer(fmt.tokenizer, fmt.template_for(None))
+        self.texts = TokenTexts(fmt.tokenizer)
 
-    async def frames(self, work: WorkFrame) -> AsyncGenerator[TokensFrame | FinishedFrame, None]:
+    async def frames(self, work: WorkFrame) -> AsyncGenerator[StepTokens | FinishedFrame, None]:
         gen = self._start(work)
         remaining = work.sampling.max_new_tokens - len(gen.token_ids)
         if remaining > 0 and gen.stops.found(gen.detok.text) is None:
@@ -91,7 +93,7 @@ class Pipeline:
                 ErrorCode.context_overflow.value,
                 f"the prompt has {len(prompt.prompt_ids)} tokens; the model's context holds {max_context}",
             )
-        gen = Generation(work, prompt, check, self.fmt, self.parser)
+        gen = Generation(work, prompt, check, self.fmt, self.parser, self.texts)
         if work.resume is not None:
             gen.resume(work.resume)
         return gen
@@ -118,9 +120,16 @@ class Generation:
     as streamed, and how it ended."""
 
     def __init__(
-        self, work: WorkFrame, prompt: BuiltPrompt, prompt_check: str | None, fmt: ChatFormat, parser: OutputParser
+        self,
+        work: WorkFrame,
+        prompt: BuiltPrompt,
+        prompt_check: str | None,
+        fmt: ChatFormat,
+        parser: OutputParser,
+        texts: TokenTexts | None = None,
     ) -> None:
         self.work = work
+        self.texts = texts or TokenTexts(fmt.tokenizer)
         self.prompt = prompt
         self.prompt_check = prompt_check  # how client-supplied prompt tokens compared with the built prompt
         self.fmt = fmt
@@ -128,7 +137,7 @@ class Generation:
         self.chat = work.raw is None  # raw prompts get no channels and no reply parsing
         self.opens_think = self.chat and parser.opened_by(prompt.prompt_ids)
         self.tracker = parser.channels(prompt_opens_think=self.opens_think) if self.chat else None
-        self.detok = IncrementalDetokenizer(fmt.tokenizer)
+        self.detok = IncrementalDetokenizer(fmt.tokenizer, rust=self.texts.rust)
         self.stops = StopStrings(work.sampling.stop)
         self.token_ids: list[int] = []
         self.logprobs: list[float | None] = []
@@ -153,36 +162,47 @@ class Generation:
             pos += len(piece)
             self.offsets.append(pos)
         self.detok.text = "".join(resume.texts)
+        self.stops.seed(self.detok.text)
 
-    def add(self, step: TokenStep) -> tuple[TokensFrame, str | None]:
+    def add(self, step: TokenStep) -> tuple[StepTokens, str | None]:
         """Add an engine step's tokens up to the one that completes a stop string; return their frame
         and that stop string (None if none)."""
         start = len(self.token_ids)
-        step_ids, lps = step.token_ids, to_float32(step.logprobs)
+        step_ids = step.token_ids
+        lps = to_float32(step.logprobs)
         top = step.top_logprobs if self.work.sampling.top_logprobs > 0 else None
-        texts: list[str] = []
+        add = self.detok.add
         hit: str | None = None
-        for k, tid in enumerate(step_ids):
-            texts.append(self.detok.add(tid))
-            hit = self.stops.found(self.detok.text, len(texts[-1]))
-            if hit is not None:  # keep the tokens up to the one completing the stop string
-                step_ids, lps, top = step_ids[: k + 1], lps[: k + 1], top[: k + 1] if top else top
-                break
+        if self.stops.stops:
+            texts: list[str] = []
+            for k, tid in enumerate(step_ids):
+                piece = add(tid)
+                texts.append(piece)
+                hit = self.stops.feed(piece)
+                if hit is not None:  # keep the tokens up to the one completing the stop string
+                    step_ids, lps, top = step_ids[: k + 1], lps[: k + 1], top[: k + 1] if top else top
+                    break
+        else:
+            texts = [add(tid) for tid in step_ids]
+        offsets = self.offsets
+        end = offsets[-1] if offsets else 0
         for piece in texts:
-            self.offsets.append((self.offsets[-1] if self.offsets else 0) + len(piece))
+            end += len(piece)
+            offsets.append(end)
         self.token_ids += step_ids
         self.logprobs += lps
         with_prompt, self._prompt_sent = not self._prompt_sent, True
-        tokens = TokensFrame(
-            message_id=self.work.message_id,
-            attempt=self.work.attempt,
-            start=start,
-            token_ids=step_ids,
-            logprobs=list(lps),
-            texts=texts,
-            channels="".join(self.tracker.feed(t) for t in step_ids) if self.tracker is not None else None,
-            top_logprobs=self._top(top),
-            prompt_ids=self.prompt.prompt_ids if with_prompt else None,
+        tracker = self.tracker
+        tokens = StepTokens(
+            self.work.message_id,
+            self.work.attempt,
+            start,
+            step_ids,
+            lps,
+            texts,
+            "".join([tracker.feed(t) for t in step_ids]) if tracker is not None else None,
+            self._top(top),
+            self.prompt.prompt_ids if with_prompt else None,
         )
         return tokens, hit
 
@@ -228,8 +248,25 @@ class Generation:
     def _top(self, rows: list[list[tuple[int, float]]] | None) -> list[list[TopLogprob]] | None:
         if rows is None:
             return None
-        decode = self.fmt.tokenizer.decode
-        return [[(i, float(lp), decode([i])) for i, lp in row] for row in rows]
+        text = self.texts.text
+        return [[(i, float(lp), text(i)) for i, lp in row] for row in rows]
+
+
+class TokenTexts:
+    """Per tokenizer, computed once: its Rust backend for detokenizers, and each token's own text (top
+    logprobs' alternatives; at most one string per vocabulary entry)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.rust = rust_backend(tokenizer)
+        self._texts: dict[int, str] = {}
+
+    def text(self, token_id: int) -> str:
+        """``tokenizer.decode([token_id])``."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
 
 class Prompts:
@@ -302,15 +339,26 @@ class StopStrings:
     def __init__(self, stops: list[str]) -> None:
         self.stops = [s for s in stops if s]
         self.longest = max((len(s) for s in self.stops), default=0)
+        self._tail = ""  # the last ``longest - 1`` characters fed: a stop string may end in the next piece
 
-    def found(self, text: str, new_chars: int | None = None) -> str | None:
-        """The stop string that occurs earliest in ``text`` (only its last ``new_chars`` characters
-        plus the overlap are searched when given), or None."""
+    def found(self, text: str) -> str | None:
+        """The stop string that occurs earliest in ``text``, or None."""
         if not self.stops:
             return None
-        window = text if new_chars is None else text[max(0, len(text) - new_chars - self.longest + 1) :]
-        hits = [(window.find(s), s) for s in self.stops if s in window]
+        hits = [(text.find(s), s) for s in self.stops if s in text]
         return min(hits)[1] if hits else None
+
+    def seed(self, text: str) -> None:
+        """The text so far (a resumed attempt's): the next ``feed`` looks back into its end."""
+        self._tail = text[max(0, len(text) - self.longest + 1) :] if self.longest > 1 else ""
+
+    def feed(self, piece: str) -> str | None:
+        """The next piece of text: the stop string it completes (the earliest one), or None."""
+        if not piece:
+            return None
+        window = self._tail + piece
+        self._tail = window[max(0, len(window) - self.longest + 1) :] if self.longest > 1 else ""
+        return self.found(window)
 
     @staticmethod
     def cut(parsed: ParsedOutput, stop: str) -> ParsedOutput:

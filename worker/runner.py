@@ -22,6 +22,7 @@ class VLLMOptions:
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
+    log_stats: bool = False  # vLLM's periodic stats log and metrics
 
 
 def make_engine(
@@ -49,6 +50,7 @@ def make_engine(
             tensor_parallel_size=opts.tensor_parallel_size,
             gpu_memory_utilization=opts.gpu_memory_utilization,
             max_num_seqs=max_parallel,
+            log_stats=opts.log_stats,
         )
     raise ValueError(f"unknown engine {name!r}: hf or vllm")
 

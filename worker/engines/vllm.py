@@ -1,12 +1,15 @@
 """The ``vllm`` engine (DESIGN D6): vLLM's ``AsyncLLM`` behind the token-in, token-steps-out contract.
 
-Requests go in as ``TokensPrompt`` (token IDs only: the tokenizer is never initialised) with
-``RequestOutputKind.DELTA`` outputs, explicit ``max_tokens`` and ``stop_token_ids`` and ``ignore_eos``
-(only the caller's stop IDs end a request). The engine runs with ``logprobs_mode="processed_logprobs"``,
-so the logprob of each sampled token (looked up by id, D7) is taken after penalties, temperature and
-top-k/top-p. A request gets a sampling seed only when it has one (DESIGN D17: per-request generators
-are vLLM's slower sampling path). Prefix caching is on by default; ``num_cached_tokens`` comes with the
-first step.
+Requests go in as token IDs only (the tokenizer is never initialised): a rendered engine input
+(``tokens_input``), which vLLM takes as it is, where this vLLM has it, else a ``TokensPrompt`` (which vLLM
+renders in a thread pool first: a thread hop per request). Outputs are ``RequestOutputKind.DELTA``, with
+explicit ``max_tokens`` and ``stop_token_ids`` and ``ignore_eos`` (only the caller's stop IDs end a
+request). The engine runs with ``logprobs_mode="processed_logprobs"``, so the logprob of each sampled token
+(looked up by id, D7) is taken after penalties, temperature and top-k/top-p. Requests ask for
+``logprobs=0`` (the sampled token's alone) unless top logprobs were asked for, and, where vLLM has them,
+flat logprobs (plain lists: no dict and ``Logprob`` objects per token in vLLM's output handling). A request
+gets a sampling seed only when it has one (DESIGN D17: per-request generators are vLLM's slower sampling
+path). Prefix caching is on by default; ``num_cached_tokens`` comes with the first step.
 
 vLLM is imported lazily: its pins (transformers, fastapi) clash with the server's, so it lives in its
 own environment (``scripts/vllm_env.sh``) and importing this module never needs it.
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +50,7 @@ class VLLMEngine:
         gpu_memory_utilization: float = 0.9,
         enable_prefix_caching: bool = True,
         max_num_seqs: int | None = None,
+        log_stats: bool = False,
     ) -> None:
         self._path = model_path
         self._args: dict[str, Any] = {
@@ -59,6 +63,10 @@ class VLLMEngine:
             "logprobs_mode": "processed_logprobs",
             "skip_tokenizer_init": True,  # token IDs in and out; nothing to detokenize
             "generation_config": "vllm",  # no defaults (eos, temperature, ...) from generation_config.json
+            # vLLM's own stats (its periodic throughput log, Prometheus metrics nobody scrapes here) cost
+            # the output handler about a tenth of the worker's CPU per token; prefix-cache hits are
+            # reported per request either way
+            "disable_log_stats": not log_stats,
         }
         if max_num_seqs is not None:
             self._args["max_num_seqs"] = max_num_seqs
@@ -69,15 +77,27 @@ class VLLMEngine:
         )
         self._llm: Any = None
         self._vocab = 0
+        self._flat_logprobs = False  # this vLLM returns logprobs as flat lists (FlatLogprobs)
+        self._prompt: Callable[[list[int]], Any] = lambda ids: None  # token ids -> vLLM's prompt input
         self._aborted: set[str] = set()
 
     async def start(self) -> None:
         if self._llm is not None:
             return
         vllm = _import_vllm()
+        from vllm import SamplingParams
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        self._flat_logprobs = "flat_logprobs" in getattr(SamplingParams, "__struct_fields__", ())
+        try:  # a rendered engine input: processed inline (a TokensPrompt goes through a thread pool)
+            from vllm.inputs.engine import tokens_input
+
+            self._prompt = tokens_input
+        except ImportError:
+            from vllm.inputs import TokensPrompt
+
+            self._prompt = lambda ids: TokensPrompt(prompt_token_ids=ids)
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._args))
         model_config = self._llm.model_config
         self.info.max_context = int(model_config.max_model_len)
@@ -95,6 +115,7 @@ class VLLMEngine:
 
         if params.typical_p is not None and params.typical_p < 1.0:
             raise EngineError("bad_request", "typical_p is not supported by the vllm engine")
+        extra: dict[str, Any] = {"flat_logprobs": True} if self._flat_logprobs else {}
         return SamplingParams(
             n=1,
             temperature=params.temperature,
@@ -106,9 +127,11 @@ class VLLMEngine:
             max_tokens=limit,
             stop_token_ids=list(params.stop_token_ids),
             ignore_eos=True,  # stop only on the caller's stop token IDs
-            logprobs=max(1, params.top_logprobs),
+            # 0: only the sampled token's logprob (always returned, D7); n: also the n most likely
+            logprobs=params.top_logprobs,
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
+            **extra,
         )
 
     async def generate(
@@ -127,14 +150,12 @@ class VLLMEngine:
             raise EngineError(
                 "context_overflow", f"prompt has {len(prompt_ids)} tokens; the context holds {self.info.max_context}"
             )
-        from vllm.inputs import TokensPrompt
-
         sampling = self._sampling_params(params, min(params.max_new_tokens, room))
         self._aborted.discard(request_id)
         first = True
         finished = False
         try:
-            stream = self._llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), sampling, request_id)
+            stream = self._llm.generate(self._prompt(list(prompt_ids)), sampling, request_id)
             async for out in stream:
                 completion = out.outputs[0]
                 step = _step(completion, params.top_logprobs)
@@ -173,21 +194,34 @@ class VLLMEngine:
 
 def _step(completion: Any, top_k: int) -> TokenStep:
     """One TokenStep from a DELTA ``CompletionOutput``: sampled-token logprobs looked up by id."""
-    token_ids = list(completion.token_ids)
-    per_token = list(completion.logprobs or [])
-    if len(per_token) != len(token_ids):
-        raise EngineError("engine_error", f"vLLM returned {len(per_token)} logprobs for {len(token_ids)} tokens")
-    logprobs = [float(entry[tok].logprob) for tok, entry in zip(token_ids, per_token, strict=True)]
-    step = TokenStep(token_ids=token_ids, logprobs=logprobs)
-    if top_k > 0:
-        step.top_logprobs = [
-            [
-                (tid, float(lp.logprob))
-                for tid, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)
-                if lp.rank <= top_k and not math.isinf(lp.logprob)
-            ][:top_k]
-            for entry in per_token
-        ]
+    token_ids = completion.token_ids
+    if type(token_ids) is not list:
+        token_ids = list(token_ids)
+    per_token = completion.logprobs
+    if per_token is None or len(per_token) != len(token_ids):
+        got = "no" if per_token is None else len(per_token)
+        raise EngineError("engine_error", f"vLLM returned {got} logprobs for {len(token_ids)} tokens")
+    if hasattr(per_token, "start_indices"):  # FlatLogprobs: a position's entries, the sampled token's first
+        starts, ids, values = per_token.start_indices, per_token.token_ids, per_token.logprobs
+        if [ids[i] for i in starts] == token_ids:
+            logprobs = [values[i] for i in starts]
+        else:
+            logprobs = [_flat_lookup(per_token, k, tok) for k, tok in enumerate(token_ids)]
+        step = TokenStep(token_ids=token_ids, logprobs=logprobs)
+        if top_k > 0:
+            step.top_logprobs = [_flat_top(per_token, k, top_k) for k in range(len(token_ids))]
+    else:  # list of {token id: Logprob} per position
+        logprobs = [float(entry[tok].logprob) for tok, entry in zip(token_ids, per_token, strict=True)]
+        step = TokenStep(token_ids=token_ids, logprobs=logprobs)
+        if top_k > 0:
+            step.top_logprobs = [
+                [
+                    (tid, float(lp.logprob))
+                    for tid, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)
+                    if lp.rank <= top_k and not math.isinf(lp.logprob)
+                ][:top_k]
+                for entry in per_token
+            ]
     reason = completion.finish_reason
     if reason == "stop":
         step.finish_reason = "stop"
@@ -197,6 +231,27 @@ def _step(completion: Any, top_k: int) -> TokenStep:
     elif reason is not None:
         step.finish_reason = "abort"
     return step
+
+
+def _flat_top(flat: Any, position: int, top_k: int) -> list[tuple[int, float]]:
+    """A FlatLogprobs position's ``top_k`` most likely tokens, by rank. Its entries are the sampled
+    token's, then the top-k; when vLLM merged outputs (a consumer behind) they went through a dict, so
+    the sampled token, if among the top-k, is only there once."""
+    ids, values, ranks = flat.token_ids, flat.logprobs, flat.ranks
+    best: dict[int, tuple[int, float]] = {}
+    for i in range(flat.start_indices[position], flat.end_indices[position]):
+        rank = ranks[i]
+        if rank is not None and rank <= top_k and not math.isinf(values[i]):
+            best.setdefault(ids[i], (rank, values[i]))
+    return [(tid, lp) for tid, (_, lp) in sorted(best.items(), key=lambda kv: kv[1][0])][:top_k]
+
+
+def _flat_lookup(flat: Any, position: int, token_id: int) -> float:
+    """The logprob of ``token_id`` among a FlatLogprobs position's entries."""
+    for i in range(flat.start_indices[position], flat.end_indices[position]):
+        if flat.token_ids[i] == token_id:
+            return float(flat.logprobs[i])
+    raise EngineError("engine_error", f"vLLM returned no logprob for the sampled token {token_id}")
 
 
 def _config_context(model_path: str) -> int:

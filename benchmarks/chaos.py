@@ -10,19 +10,28 @@ to the next one when its replica dies). Users chat in closed loops through rando
 HTTP + SSE; a reader whose connection breaks resumes on another replica with Last-Event-ID.
 
 Every ``--kill-every`` seconds (uniform between the two bounds) a random worker or replica is
-killed with SIGKILL and started again a moment later; Redis is killed and restarted (empty) once,
-half-way. After the run the chaos stops and every requested message is given ``--settle`` seconds
-to end. Then, from the API (SQL behind it) and each reader's log:
+killed with SIGKILL and started again a moment later, or a random worker's engine is killed (the
+worker lives on and restarts it: benchmarks/chaos_engine.py); ``--faults`` picks among these. Redis is
+killed and restarted (empty) once, half-way. A private PostgreSQL is SIGKILLed ``--pg-kills`` times
+and restarted after ``--pg-down`` seconds, while ``--openai-share`` of the users stream
+``/v1/chat/completions`` (benchmarks/chaos_postgres.py). After the run the chaos stops and every
+requested message is given ``--settle`` seconds to end. Then, from the API (SQL behind it) and each
+reader's log:
 
 - lost: a message the API accepted (200) that is not stored;
 - stuck: a message still pending or in progress after the settle time;
 - duplicated / missed tokens: a reader saw an index twice (without a reset) or skipped one, or what
   it saw differs from the stored completion;
-- 5xx: responses with status >= 500 (each counted; connection errors to a killed replica are not);
+- 5xx: responses with status >= 500 but a 503 with Retry-After (counted apart: allowed while the
+  database or Redis is away); connection errors to a killed replica are not counted;
 - kill -> next token: for each kill, the time until each message that was streaming then got its
-  next token (p50 / p99).
+  next token (p50 / p99);
+- engine serving again: for each engine kill, the time until /admin/workers shows one more engine
+  restarted (goal: 60 s).
 
-Exit status 1 if any of lost, stuck, duplicated, missed or 5xx is not 0.
+Exit status 1 if any of lost, stuck, duplicated, missed or 5xx is not 0, an engine took longer, or a
+check of chaos_postgres.py fails (cut OpenAI streams, their text or tokens != SQL, a worker not serving
+again).
 """
 
 from __future__ import annotations
@@ -49,6 +58,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks import chaos_postgres
+from benchmarks.chaos_engine import WORKER_ENV, EngineWatch, admin_key
 from benchmarks.models import prepare_model
 from benchmarks.progress import say
 from tokentrail.launcher import answers, free_port, spawn, stop, wait_ready
@@ -105,13 +116,16 @@ class Cluster:
     replicas: list[Proc]
     workers: list[Proc]
     redis: Any
+    admin_key: str = ""
 
 
 @contextlib.contextmanager
-def cluster(work: Path, replicas: int, workers: int, model_dir: str, logs: Path | None = None) -> Iterator[Cluster]:
+def cluster(
+    work: Path, replicas: int, workers: int, model_dir: str, logs: Path | None = None, database: str | None = None
+) -> Iterator[Cluster]:
     from tests import services
 
-    with services.postgres_service() as pg:
+    with contextlib.nullcontext(database) if database else services.postgres_service() as pg:
         redis = services.RestartableRedis().start()
         env = {
             "TOKENTRAIL_DATABASE_URL": pg,
@@ -128,23 +142,25 @@ def cluster(work: Path, replicas: int, workers: int, model_dir: str, logs: Path 
             up = subprocess.run([*py, "db", "upgrade"], env=run_env, capture_output=True, check=False)
             if up.returncode != 0:
                 raise RuntimeError(up.stderr.decode()[-3000:])
-            made = subprocess.run(
-                [*py, "admin", "create-worker-key", "--name", "chaos"], env=run_env, capture_output=True, check=False
-            )
-            if made.returncode != 0:
-                raise RuntimeError(made.stderr.decode()[-3000:])
-            key = made.stdout.decode().split()[-1]
+
+            def made(*cmd: str) -> str:
+                out = subprocess.run([*py, "admin", *cmd], env=run_env, capture_output=True, check=False)
+                if out.returncode != 0:
+                    raise RuntimeError(out.stderr.decode()[-3000:])
+                return out.stdout.decode().split()[-1]
+
+            keys = [made("create-worker-key", "--name", f"chaos-{i}") for i in range(workers)]  # one each
             ports = [free_port() for _ in range(replicas)]
             urls = [f"http://127.0.0.1:{p}" for p in ports]
             servers = [
                 Proc(f"server-{i}", ["serve", "--port", str(p), "--log-level", "warning"], env, work)
                 for i, p in enumerate(ports)
             ]
-            wenv = {**env, "OMP_NUM_THREADS": "1"}
+            wenv = {**env, "OMP_NUM_THREADS": "1", **WORKER_ENV}
             workers_ = []
             for i in range(workers):
                 order = urls[i % replicas :] + urls[: i % replicas]  # spread the workers over the replicas
-                args = ["worker", "--server-url", ",".join(order), "--api-key", key, "--model", model_dir,
+                args = ["worker", "--server-url", ",".join(order), "--api-key", keys[i], "--model", model_dir,
                         "--served-model-name", MODEL, "--max-parallel", "4", "--threads", "1", "--log-level",
                         "warning", "--drain-timeout", "5"]  # fmt: skip
                 workers_.append(Proc(f"worker-{i}", args, wenv, work))
@@ -153,7 +169,7 @@ def cluster(work: Path, replicas: int, workers: int, model_dir: str, logs: Path 
             wait_ready(lambda: all(answers(u) for u in urls), started, "replicas", 60, logs=work)
             started = {p.name: p.start() for p in workers_}
             wait_ready(lambda: _offered(urls[0]) >= workers, started, "workers", 180, logs=work)
-            yield Cluster(urls, servers, workers_, redis)
+            yield Cluster(urls, servers, workers_, redis, admin_key(run_env))
         finally:
             for p in procs:
                 p.stop()
@@ -181,6 +197,7 @@ class Tally:
     last_token_at: dict[str, float] = field(default_factory=dict)  # streaming message -> time
     finished: set[str] = field(default_factory=set)
     status_5xx: Counter[str] = field(default_factory=Counter)
+    unavailable_503: Counter[str] = field(default_factory=Counter)  # 503 with Retry-After: allowed
     refused: Counter[str] = field(default_factory=Counter)  # 4xx codes (e.g. 503 is counted above)
     kill_gaps: list[tuple[str, str, float]] = field(default_factory=list)  # (victim kind, message, gap)
     broken: set[str] = field(default_factory=set)  # messages whose reader's connection broke
@@ -205,11 +222,17 @@ class User:
                 await asyncio.sleep(0.5)
                 continue
             if resp.status_code >= 500:
-                self.tally.status_5xx[f"{resp.status_code} {method} {path.split('/')[1]}"] += 1
+                self.count_5xx(resp, f"{method} {path.split('/')[1]}")
                 await asyncio.sleep(float(resp.headers.get("Retry-After", "1")))
                 continue
             return resp
         return None
+
+    def count_5xx(self, resp: httpx.Response, route: str) -> None:
+        if resp.status_code == 503 and resp.headers.get("Retry-After"):
+            self.tally.unavailable_503[route] += 1
+        else:
+            self.tally.status_5xx[f"{resp.status_code} {route}"] += 1
 
     async def login(self, client: httpx.AsyncClient) -> None:
         resp = await self.call(client, "GET", f"/auth/login/debug?username={self.name}", follow_redirects=True)
@@ -263,7 +286,7 @@ class User:
                     "GET", f"{self.url()}/chats/{chat}/messages/{mid}/events", headers=headers, timeout=60
                 ) as resp:
                     if resp.status_code >= 500:
-                        self.tally.status_5xx[f"{resp.status_code} GET events"] += 1
+                        self.count_5xx(resp, "GET events")
                         await asyncio.sleep(1)
                         continue
                     if resp.status_code != 200:
@@ -285,7 +308,7 @@ class User:
                                 last = max(last, i)
                                 now = time.monotonic()
                                 self.tally.last_token_at[mid] = now
-                                self._after_kill(mid, now)
+                                self.after_kill(mid, now)
                             elif kind == "reset":
                                 start = int(event["from_index"])
                                 for k in [k for k in seen if k >= start]:
@@ -300,7 +323,7 @@ class User:
             self.tally.broken.add(mid)
         return None
 
-    def _after_kill(self, mid: str, now: float) -> None:
+    def after_kill(self, mid: str, now: float) -> None:
         for at, kind, waiting in self.tally.pending_kills:
             if mid in waiting:
                 waiting.discard(mid)
@@ -308,7 +331,16 @@ class User:
 
 
 # ---- chaos ---------------------------------------------------------------------------------------
-async def chaos(c: Cluster, tally: Tally, duration: float, every: tuple[float, float], rng: random.Random) -> list[str]:
+async def chaos(
+    c: Cluster,
+    tally: Tally,
+    duration: float,
+    every: tuple[float, float],
+    rng: random.Random,
+    faults: set[str],
+    engines: EngineWatch,
+    client: httpx.AsyncClient,
+) -> list[str]:
     log: list[str] = []
     start = time.monotonic()
     redis_at = start + duration / 2
@@ -327,8 +359,14 @@ async def chaos(c: Cluster, tally: Tally, duration: float, every: tuple[float, f
             await asyncio.sleep(0.5)
             c.redis.start()
             log.append(f"{at - start:6.1f}s redis killed and restarted empty")
+        elif "engine" in faults and (not faults & {"worker", "replica"} or rng.random() < 1 / 3):
+            victim = rng.choice([w for w in c.workers if w.proc is not None and w.proc.poll() is None])
+            assert victim.proc is not None
+            await engines.kill(client, victim.proc.pid)
+            tally.pending_kills.append((at, "engine", streaming))
+            log.append(f"{at - start:6.1f}s {victim.name}'s engine killed")
         else:
-            victim = rng.choice(c.workers + c.replicas)
+            victim = rng.choice(c.workers * ("worker" in faults) + c.replicas * ("replica" in faults))
             kind = "worker" if victim in c.workers else "replica"
             victim.kill()
             tally.pending_kills.append((at, kind, streaming))
@@ -345,7 +383,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     every = tuple(float(x) for x in args.kill_every.split(","))
     with (
         tempfile.TemporaryDirectory(prefix="tt-chaos-") as tmp,
-        cluster(Path(tmp), args.replicas, args.workers, model_dir, args.logs) as c,
+        chaos_postgres.database(args) as (database, pg),
+        cluster(Path(tmp), args.replicas, args.workers, model_dir, args.logs, database) as c,
     ):
         tally = Tally()
         stop = asyncio.Event()
@@ -354,12 +393,23 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             users = [
                 User(f"chaos-{i}", c.urls, tally, args.tokens, random.Random(rng.random())) for i in range(args.users)
             ]
-            tasks = [asyncio.create_task(u.run(client, stop)) for u in users]
-            say(f"{args.users} users chatting for {args.duration:.0f}s; killing every {args.kill_every}s")
-            log = await chaos(c, tally, args.duration, every, rng)  # type: ignore[arg-type]
+            n_ai = round(args.users * args.openai_share)
+            otally = chaos_postgres.OpenAITally()
+            runners = [chaos_postgres.OpenAIUser(u, c, otally, args.tokens) for u in users[:n_ai]] + users[n_ai:]
+            tasks = [asyncio.create_task(u.run(client, stop)) for u in runners]
+            say(f"{args.users} users ({n_ai} on OpenAI) for {args.duration:.0f}s; killing every {args.kill_every}s")
+            engines = EngineWatch(c.urls, c.admin_key)
+            faults = set(args.faults.split(","))
+            pg_log: list[str] = []
+            pg_fault = pg and chaos_postgres.postgres_faults(pg, c, tally, args.duration, args, pg_log)
+            pg_task = asyncio.create_task(pg_fault) if pg_fault else None
+            log = await chaos(c, tally, args.duration, every, rng, faults, engines, client)  # type: ignore[arg-type]
+            restarts = await pg_task if pg_task else []
+            log = sorted(log + pg_log)
             stop.set()
             say(f"chaos over; letting every message end (up to {args.settle:.0f}s)")
             _, running = await asyncio.wait(tasks, timeout=args.settle)
+            await engines.settle()
             for t in running:
                 t.cancel()
             # every requested message, from the API
@@ -392,6 +442,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 stored = msg.get("completion_token_ids") or []
                 if mid in tally.finished and msg["state"] == "complete" and [seen[i] for i in sorted(seen)] != stored:
                     mismatched += 1
+            openai = await chaos_postgres.verify(users[:n_ai], otally)
     gaps = [g for _, _, g in tally.kill_gaps]
     # Interrupted: its reader's connection broke or its generation was handed to another attempt.
     hit = [(k, g) for k, m, g in tally.kill_gaps if m in tally.broken or tally.attempts.get(m, 1) > 1]
@@ -412,12 +463,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "stream_differs_from_stored": mismatched,
         "http_5xx": sum(tally.status_5xx.values()),
         "http_5xx_by_route": dict(tally.status_5xx),
+        "http_503_with_retry_after": dict(tally.unavailable_503),
         "refused": dict(tally.refused),
+        **engines.report(),
         "kill_to_next_token_s": _gap_stats(gaps),
         "interrupted_kill_to_next_token_s": _gap_stats([g for _, g in hit]),
         "interrupted_by_victim_s": {
             kind: _gap_stats([g for k, g in hit if k == kind]) for kind in sorted({k for k, _ in hit})
         },
+        **openai,
+        **chaos_postgres.serving_summary(restarts),
     }
 
 
@@ -431,8 +486,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48, help="tokens per reply")
     ap.add_argument("--settle", type=float, default=120.0, help="seconds for messages to end after the chaos")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--faults", default="worker,replica,engine", help="what kills pick from (Redis dies once anyway)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--logs", type=Path, default=None, help="copy the servers' and workers' logs here")
+    chaos_postgres.add_arguments(ap)
     args = ap.parse_args()
     result = asyncio.run(run(args))
     if args.json:
@@ -441,7 +498,8 @@ def main() -> None:
         for k, v in result.items():
             print(f"{k}: {v}")
     bad = ("lost", "stuck", "duplicated_tokens", "missed_tokens", "stream_differs_from_stored", "http_5xx")
-    sys.exit(1 if any(result[k] for k in bad) else 0)
+    bad += chaos_postgres.FAILURES
+    sys.exit(1 if any(result[k] for k in bad) or not result["engine_serving_again_within_goal"] else 0)
 
 
 if __name__ == "__main__":

@@ -29,12 +29,14 @@ from server.chats.catalog import Catalog
 from server.chats.path_cache import PathCache
 from server.db import create_engine, create_session_factory, ping
 from server.metrics import Metrics
+from server.outages import RETRY_AFTER_S
 from server.queue.protocol import WorkerDirectory, WorkQueue
 from server.request_guard import RequestGuard
 from server.settings import ServerSettings
 from server.state import AppState
 from server.streams.protocol import TokenStreams
 from server.workers.hub import WorkerHub
+from server.workers.links import LocalWorker
 from shared.errors import API_ERROR_RESPONSES, OPENAI_ERROR_RESPONSES, ErrorCode
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,10 @@ health_router = APIRouter(tags=["health"])
 @health_router.get("/metrics", include_in_schema=False)
 async def metrics(state: StateDep) -> Response:
     """Prometheus text exposition of this process (server/metrics.py)."""
-    text = await state.metrics.render(state.hub.load(), state.directory, state.queue, state.sessions)
+    hub = state.hub
+    text = await state.metrics.render(
+        hub.load(), hub.engines.down_by_model(), state.directory, state.queue, state.sessions
+    )
     return Response(text, media_type=CONTENT_TYPE_LATEST)
 
 
@@ -70,12 +75,19 @@ async def ready(state: StateDep) -> JSONResponse:
             checks["redis"] = f"error: {exc}"
     ok = all(v == "ok" for v in checks.values())
     body: dict[str, object] = {"status": "ok" if ok else "unavailable", "checks": checks}
+    # the engines of workers connected to this process, by state (informational: work for a worker whose
+    # engine is restarting waits in the queue or goes to another worker; it does not make this process unready)
+    body["worker_engines"] = state.hub.engines.states()
     if not ok:
         body["code"] = ErrorCode.not_ready.value
-    return JSONResponse(body, status_code=200 if ok else 503)
+    if ok:
+        return JSONResponse(body)
+    return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-def create_app(settings: ServerSettings) -> FastAPI:
+def create_app(settings: ServerSettings, local_worker: LocalWorker | None = None) -> FastAPI:
+    """The app; with ``local_worker`` (``tokentrail serve --model``) that worker runs in this process, on
+    an in-memory link to the hub, next to any workers that connect by websocket."""
     from server.errors import install_error_handlers
 
     @asynccontextmanager
@@ -138,10 +150,15 @@ def create_app(settings: ServerSettings) -> FastAPI:
             catalog=Catalog(directory, settings.model_grace_s),
             paths=paths,
         )
-        hub.start()
         try:
+            if local_worker is not None:
+                # before the sweep's first pass, which fails pending messages of models no worker offers
+                await local_worker.start(hub.connect_local)
+            hub.start()
             yield
         finally:
+            if local_worker is not None:  # before the hub stops: work it hands back is requeued
+                await local_worker.stop(settings.local_drain_timeout_s)
             await hub.stop()
             await streams.close()
             await directory.close()

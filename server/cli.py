@@ -1,4 +1,5 @@
-"""Server subcommands: ``serve``, ``db upgrade``, ``admin create-user``, ``admin create-worker-key``."""
+"""Server subcommands: ``db upgrade``, ``admin ...``, ``export``; and the server's options and runner, which
+``tokentrail serve`` (tokentrail/serve.py) combines with a worker's options for ``--model``."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from shared.logs import configure_logging, uvicorn_log_config
 
 if TYPE_CHECKING:  # the worker's environment (e.g. vLLM's venv) has no SQLAlchemy
     from server.db import SessionFactory
+    from server.workers.links import LocalWorker
 
 T = TypeVar("T")
 
@@ -30,54 +32,53 @@ DatabaseUrl = Annotated[
 DataDir = Annotated[Path | None, typer.Option(help="Where the embedded database lives. Env: TOKENTRAIL_DATA_DIR")]
 
 
+Host = Annotated[str | None, typer.Option(help="Bind address. Env: TOKENTRAIL_HOST")]
+Port = Annotated[int | None, typer.Option(help="Port. Env: TOKENTRAIL_PORT")]
+RedisUrl = Annotated[
+    str | None,
+    typer.Option(help="Redis URL: Redis Streams queue, token fan-out. Env: TOKENTRAIL_REDIS_URL"),
+]
+AllowDebugAuth = Annotated[
+    bool | None,
+    typer.Option("--allow-debug-auth/--no-debug-auth", help="Default: on without Redis only."),
+]
+AuthSecret = Annotated[
+    str | None,
+    typer.Option(help="Token signing secret (required with Redis). Env: TOKENTRAIL_AUTH_SECRET"),
+]
+LogLevel = Annotated[str, typer.Option(help="debug, info, warning")]
+LogFormat = Annotated[str, typer.Option(help="text, or json: one JSON object per line")]
+
+
 def _settings(**overrides: object) -> ServerSettings:
     return ServerSettings(**{k: v for k, v in overrides.items() if v is not None})  # type: ignore[arg-type]
 
 
-def serve(
-    host: Annotated[str | None, typer.Option(help="Bind address. Env: TOKENTRAIL_HOST")] = None,
-    port: Annotated[int | None, typer.Option(help="Port. Env: TOKENTRAIL_PORT")] = None,
-    database_url: DatabaseUrl = None,
-    redis_url: Annotated[
-        str | None,
-        typer.Option(help="Redis URL: Redis Streams queue, token fan-out. Env: TOKENTRAIL_REDIS_URL"),
-    ] = None,
-    data_dir: DataDir = None,
-    allow_debug_auth: Annotated[
-        bool | None,
-        typer.Option("--allow-debug-auth/--no-debug-auth", help="Default: on without Redis only."),
-    ] = None,
-    auth_secret: Annotated[
-        str | None,
-        typer.Option(help="Token signing secret (required with Redis). Env: TOKENTRAIL_AUTH_SECRET"),
-    ] = None,
-    log_level: Annotated[str, typer.Option(help="debug, info, warning")] = "info",
-    log_format: Annotated[str, typer.Option(help="text, or json: one JSON object per line")] = "text",
-) -> None:
-    """Run the chat server."""
-    import uvicorn
-
-    from server.app import create_app
-
-    settings = _settings(
-        host=host,
-        port=port,
-        database_url=database_url,
-        redis_url=redis_url,
-        data_dir=data_dir,
-        allow_debug_auth=allow_debug_auth,
-        auth_secret=auth_secret,
-    )
+def server_settings(**overrides: object) -> ServerSettings:
+    """The server's settings from its command-line options (None: from the environment or the default),
+    checked as ``serve`` checks them."""
+    settings = _settings(**overrides)
     try:
         settings.resolved_auth_secret()
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    return settings
+
+
+def run_server(
+    settings: ServerSettings, log_level: str, log_format: str, local_worker: LocalWorker | None = None
+) -> None:
+    """Serve the app under uvicorn until stopped (``local_worker``: see ``create_app``)."""
+    import uvicorn
+
+    from server.app import create_app
+
     try:
         configure_logging(log_level, log_format)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     uvicorn.run(
-        create_app(settings),
+        create_app(settings, local_worker),
         host=settings.host,
         port=settings.port,
         log_level=log_level,

@@ -4,8 +4,10 @@ What reaches a client, in OA's shape (OpenAI's, ``{"error": {...}}``, on the Ope
 
 ApiError(code, detail)            -> {"detail": ..., "code": ...} with HTTP_STATUS[code]
 RequestValidationError (FastAPI)  -> 422 {"detail": [...], "code": "validation_error"} (OpenAI: 400)
-is_unavailable(exc): DB or Redis  -> 503 {"code": "not_ready"} with Retry-After
+is_unavailable(exc): DB or Redis  -> 503 {"code": "not_ready"} with Retry-After (server/outages.py)
 anything else                     -> 500 {"detail": "internal error", "code": "internal_error"}
+
+Every 429 and 503 carries Retry-After: an ApiError of either status without one gets the default.
 
 The internal exceptions, each defined next to its use, and where each ends up:
 
@@ -35,9 +37,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.outages import RETRY_AFTER_S, is_unavailable
 from shared.errors import HTTP_STATUS, ErrorCode
 
 log = logging.getLogger(__name__)
+
+
+RETRY_STATUSES = (429, 503)  # answers that always say when to retry (Retry-After)
 
 
 class ApiError(Exception):
@@ -54,6 +60,8 @@ class ApiError(Exception):
         self.code = code
         self.detail = detail
         self.status_code = status_code or HTTP_STATUS.get(code, 400)
+        if self.status_code in RETRY_STATUSES and "Retry-After" not in (headers or {}):
+            headers = {**(headers or {}), "Retry-After": str(RETRY_AFTER_S)}  # a client must know when
         self.headers = headers
         self.param = param  # the offending request field (OpenAI error ``param``)
 
@@ -70,20 +78,6 @@ _OPENAI_TYPES = {
     422: "invalid_request_error",
     429: "rate_limit_error",
 }
-
-
-def is_unavailable(exc: BaseException) -> bool:
-    """A database or Redis connection problem (down, restarting, pool exhausted), not a bug."""
-    from redis.exceptions import ConnectionError as RedisConnectionError
-    from redis.exceptions import TimeoutError as RedisTimeoutError
-    from sqlalchemy.exc import DBAPIError, OperationalError
-    from sqlalchemy.exc import TimeoutError as PoolTimeout
-
-    if isinstance(exc, RedisConnectionError | RedisTimeoutError | PoolTimeout | OperationalError | ConnectionError):
-        return True
-    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
-        return True
-    return isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError | PermissionError)
 
 
 def allowed_methods(request: Request) -> list[str]:
@@ -156,6 +150,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         headers = getattr(exc, "headers", None)
+        if exc.status_code in RETRY_STATUSES and "Retry-After" not in (headers or {}):
+            headers = {**(headers or {}), "Retry-After": str(RETRY_AFTER_S)}
         if exc.status_code == 405:  # Starlette names only the first matching route's methods
             allow = ", ".join(allowed_methods(request))
             if request.method == "OPTIONS":
@@ -179,7 +175,7 @@ def install_error_handlers(app: FastAPI) -> None:
         if is_unavailable(exc):  # the database or Redis away or saturated: retry, not a bug
             log.warning("%s %s: a backing service is unavailable: %r", request.method, request.url.path, exc)
             detail = "a backing service (database or Redis) is unavailable; retry shortly"
-            headers = {"Retry-After": "2"}
+            headers = {"Retry-After": str(RETRY_AFTER_S)}
             if is_openai_path(request.url.path):
                 body = openai_error_body(503, detail, ErrorCode.not_ready.value)
                 return JSONResponse(body, status_code=503, headers=headers)

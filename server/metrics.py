@@ -90,6 +90,24 @@ class Metrics:
         self.open_messages = Gauge(
             "tokentrail_cluster_open_messages", "Assistant messages pending or in progress", ["state"], registry=r
         )
+        self.engine_deaths = Counter(
+            "tokentrail_engine_deaths",
+            "Engine deaths reported by workers connected to this process (their work was requeued), by model",
+            ["model"],
+            registry=r,
+        )
+        self.engine_restarts = Counter(
+            "tokentrail_engine_restarts",
+            "Engines restarted by workers connected to this process after a death, by model",
+            ["model"],
+            registry=r,
+        )
+        self.engines_down = Gauge(
+            "tokentrail_workers_engine_down",
+            "Workers connected to this process whose engine is restarting or failed (they take no work), by model",
+            ["model"],
+            registry=r,
+        )
         self.scrape_errors = Counter(
             "tokentrail_metrics_scrape_errors", "State reads that failed during a scrape", ["what"], registry=r
         )
@@ -106,15 +124,20 @@ class Metrics:
     async def render(
         self,
         local: dict[str, tuple[int, int]],
+        engines_down: dict[str, int],
         directory: WorkerDirectory,
         queue: WorkQueue,
         sessions: SessionFactory,
     ) -> bytes:
         """Refresh the state gauges, then the exposition text. ``local``: per model, the workers
-        connected to this process and their free slots (``WorkerHub.load``). A backing service that
+        connected to this process and their free slots (``WorkerHub.load``); ``engines_down``: per model,
+        those whose engine is not ready (``EngineHealth.down_by_model``). A backing service that
         is away leaves its gauges as they were (and counts a scrape error) instead of failing the scrape."""
         self.workers.clear()
         self.free_slots.clear()
+        self.engines_down.clear()
+        for model, down in engines_down.items():
+            self.engines_down.labels(model).set(down)
         for model, (count, free) in local.items():
             self.workers.labels(model).set(count)
             self.free_slots.labels(model).set(free)

@@ -132,6 +132,9 @@ class Message(Base):
     # attempts that ended by the worker's fault (lost connection, failure, bad frames); a requeue for
     # a dead server or a Redis restart is not counted. max_attempts of these and the message fails.
     failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # engine deaths (worker.engine_health) while this message was generating: requeued, not counted in
+    # failures; engine_poison_deaths of these and the message fails as a suspected poison message
+    engine_deaths: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     worker_id: Mapped[str | None] = mapped_column(String(64), default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
     error_code: Mapped[str | None] = mapped_column(String(64), default=None)

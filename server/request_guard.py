@@ -18,7 +18,8 @@ import orjson
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import is_openai_path, openai_error_body
+from server.errors import RETRY_STATUSES, is_openai_path, openai_error_body
+from server.outages import RETRY_AFTER_S
 from shared.errors import HTTP_STATUS, ErrorCode
 
 _NUL_ESCAPES = (b"\\u0000", b"\x00")
@@ -115,6 +116,8 @@ class RequestGuard:
             if is_openai_path(scope["path"])
             else {"detail": detail, "code": code.value}
         )
+        if status in RETRY_STATUSES:
+            headers = {**(headers or {}), "Retry-After": str(RETRY_AFTER_S)}
         response = JSONResponse(body, status_code=status, headers=headers)
         await response(scope, _drain, send)
 

@@ -40,6 +40,8 @@ class ServerSettings(BaseSettings):
     rate_limit_burst: int = 60
     user_queue_share: float = Field(default=0.5, gt=0.0, le=1.0)
     max_attempts: int = 3
+    # a message generating on engine_poison_deaths engines that died fails (engine_poison_message)
+    engine_poison_deaths: int = Field(default=3, ge=1)
     pending_event_interval_s: float = 1.0
     worker_heartbeat_interval_s: float = 5.0
     worker_timeout_s: float = 20.0
@@ -53,6 +55,9 @@ class ServerSettings(BaseSettings):
     model_grace_s: float = 60.0
     sweep_grace_s: float = 30.0
     token_stream_expire_s: float = 300.0
+    # ``tokentrail serve --model``: on shutdown, seconds the in-process worker has to finish the messages
+    # in hand before handing them back (requeued; the next worker resumes after the streamed tokens).
+    local_drain_timeout_s: float = 30.0
     redis_pool_size: int = 512
     # Largest request body (bytes), refused before it is read (413 request_too_large).
     max_body_bytes: int = 8 * 2**20

@@ -271,6 +271,10 @@ class WorkerRead(BaseModel):
     server_id: str
     key_id: str
     key_name: str
+    engine_state: str = "ready"  # ready, restarting (it died: the worker takes no work) or failed
+    engine_deaths: int = 0  # since the worker started
+    engine_restarts: int = 0
+    served: int = 0  # replies this connection finished and stored
 
 
 class ApiKeyRead(BaseModel):

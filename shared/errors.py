@@ -54,6 +54,8 @@ class ErrorCode(StrEnum):
     context_overflow = "context_overflow"
     template_rejected = "template_rejected"  # the chat template refused the conversation (its own message)
     engine_error = "engine_error"
+    engine_dead = "engine_dead"  # the worker's whole engine died (its work is requeued, not failed)
+    engine_poison_message = "engine_poison_message"  # the message was in flight at repeated engine deaths
     worker_lost = "worker_lost"
     too_many_attempts = "too_many_attempts"
     internal_error = "internal_error"
@@ -70,6 +72,8 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.no_worker: 503,
     ErrorCode.template_rejected: 400,
     ErrorCode.engine_error: 500,
+    ErrorCode.engine_dead: 503,
+    ErrorCode.engine_poison_message: 503,
     ErrorCode.worker_lost: 503,
     ErrorCode.too_many_attempts: 503,
     ErrorCode.internal_error: 500,

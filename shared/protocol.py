@@ -4,7 +4,7 @@ Every frame is a JSON object with a ``type`` discriminator. Flow control is by c
 server sends a ``work`` frame only while the worker has credits left; each ``credit`` frame from
 the worker adds to them. ``attempt`` is a fencing token: frames of a stale attempt are dropped.
 
-Worker -> server: hello, credit, tokens, finished, failed, heartbeat, rpc_result.
+Worker -> server: hello, credit, tokens, finished, failed, heartbeat, rpc_result, drain, engine.
 Server -> worker: welcome, work, cancel, heartbeat, rpc, error (fatal; the server closes after it).
 
 ``rpc`` asks a worker that announced the ``rpc`` feature for tokenizer work (tokenize, render a chat,
@@ -41,6 +41,8 @@ class HelloFrame(BaseModel):
     # (message_id, attempt) of work this worker was generating when its last connection broke: if
     # that server died it cannot requeue them, so the server this hello reaches does (fenced)
     released: list[tuple[str, int]] = Field(default_factory=list, max_length=4096)
+    engine_deaths: int = Field(default=0, ge=0)  # of the worker's engine since the worker started
+    engine_restarts: int = Field(default=0, ge=0)
 
 
 class CreditFrame(BaseModel):
@@ -51,10 +53,14 @@ class CreditFrame(BaseModel):
 # One alternative of a position's most likely tokens: (token id, logprob, token text).
 TopLogprob = tuple[int, float, str]
 
-# Per-token channel of a completion, for streaming parsed output (see worker.output_parser.ChannelTracker):
+# Per-token channel of a completion, for streaming parsed output (see worker.output_parser.ChannelTracker;
+# shared.channels.ReplyStream reads them). Parsing is a view (DESIGN D19): held text is never dropped
+# unless it parsed.
 CHANNEL_CONTENT = "c"  # visible reply text
 CHANNEL_REASONING = "r"  # inside the reasoning block
-CHANNEL_TOOL = "t"  # tool-call markup: clients get the parsed calls when the message finishes
+CHANNEL_TOOL = "t"  # held: tool-call markup, or text that may still parse as a call; dropped when a
+# token of another channel follows (the call parsed), else released by CHANNEL_UNPARSED or at the end
+CHANNEL_UNPARSED = "u"  # closes a tool-call block that did not parse: the held text and this token are content
 CHANNEL_HIDDEN = "x"  # markers and special tokens that render as nothing
 
 
@@ -137,6 +143,29 @@ FEATURE_DRAIN = "drain"
 # Hello feature: the worker takes ``seed: null`` in a work frame (no seed: the engine's own randomness,
 # DESIGN D17). A server sends null only to workers that say so; older workers get a seed every time.
 FEATURE_UNSEEDED = "unseeded"
+
+
+# Welcome feature: the server takes ``engine`` frames (worker.engine_health). A worker whose engine dies
+# while connected to a server without it disconnects instead (the server requeues what it held).
+FEATURE_ENGINE = "engine"
+
+EngineState = Literal["ready", "restarting", "failed"]
+
+
+class EngineFrame(BaseModel):
+    """The worker's engine changed state. ``restarting``: it died; send this worker no work until
+    ``ready`` (after which it grants credits again) and requeue everything it was sent, resuming from
+    the tokens already streamed; ``running`` names the work that was in the engine when it died (poison
+    protection counts those). ``failed``: it could not be restarted; the worker exits.
+
+    A worker sends ``restarting`` again (with ``running`` empty) for work that reaches it meanwhile."""
+
+    type: Literal["engine"] = "engine"
+    state: EngineState
+    deaths: int = Field(default=0, ge=0)  # since the worker started
+    restarts: int = Field(default=0, ge=0)  # successful restarts since the worker started
+    error: str | None = None  # why the engine died
+    running: list[tuple[str, int]] = Field(default_factory=list, max_length=4096)  # (message id, attempt)
 
 
 class DrainFrame(BaseModel):
@@ -249,7 +278,15 @@ class ErrorFrame(BaseModel):
 
 
 WorkerFrame = Annotated[
-    HelloFrame | CreditFrame | TokensFrame | FinishedFrame | FailedFrame | HeartbeatFrame | RpcResultFrame | DrainFrame,
+    HelloFrame
+    | CreditFrame
+    | TokensFrame
+    | FinishedFrame
+    | FailedFrame
+    | HeartbeatFrame
+    | RpcResultFrame
+    | DrainFrame
+    | EngineFrame,
     Field(discriminator="type"),
 ]
 ServerFrame = Annotated[

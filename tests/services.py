@@ -10,12 +10,15 @@ can be neither reached nor started.
 - PostgreSQL: ``TOKENTRAIL_TEST_POSTGRES_URL`` (used as is); else a fresh ``tt_test_<hex>``
   database on 127.0.0.1:5432, or on a private cluster (``initdb`` + ``pg_ctl``) when nothing
   listens there; the database is dropped on exit. URLs are ``postgresql+asyncpg://``.
+- ``RestartablePostgres``: a private cluster that a test or benchmark SIGKILLs (every process of it,
+  as when its container dies) and starts again, on the same port: it comes back through crash recovery.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import glob
 import os
 import shlex
@@ -286,3 +289,81 @@ def postgres_service() -> Iterator[str]:
         return
     with _private_postgres() as port, _fresh_database(port) as url:
         yield url
+
+
+class RestartablePostgres:
+    """A private PostgreSQL cluster that can be SIGKILLed and started again on the same port (crash
+    recovery, then the same data): what a database restart looks like to the server. Its postmaster
+    leads a process group of its own, so a kill takes every backend with it, as a dying container does.
+    ``url`` names a database ``tokentrail`` created at the first start."""
+
+    def __init__(self) -> None:
+        self.bindir = _pg_bin()
+        self.dir = Path(tempfile.mkdtemp(prefix="tt-pg-restartable-"))
+        self.data = self.dir / "data"
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = f"postgresql+asyncpg://postgres@127.0.0.1:{self.port}/tokentrail"
+        self._root = os.geteuid() == 0
+        if self._root:
+            shutil.chown(self.dir, "postgres", "postgres")
+        initdb = [str(self.bindir / "initdb"), "-D", str(self.data), "-U", "postgres", "-A", "trust", "-E", "UTF8"]
+        try:
+            subprocess.run(_as_postgres_user([*initdb, "--no-sync"]), check=True, capture_output=True)
+        except subprocess.CalledProcessError as exc:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise ServiceUnavailable(f"initdb failed: {(exc.stderr or b'').decode(errors='replace')}") from exc
+        self._created = False
+
+    def start(self, *, wait: bool = True) -> RestartablePostgres:
+        args = [str(self.bindir / "postgres"), "-D", str(self.data), "-p", str(self.port), "-k", str(self.dir),
+                "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "max_connections=200"]  # fmt: skip
+        log = open(self.dir / "postgres.log", "ab")  # noqa: SIM115 - the child keeps its own descriptor
+        with log:
+            self.proc = subprocess.Popen(
+                args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                user="postgres" if self._root else None,
+            )
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not _pg_answers(self.port):
+            if self.proc is not None and self.proc.poll() is not None:
+                raise ServiceUnavailable(f"postgres exited: see {self.dir}/postgres.log")
+            if time.monotonic() > deadline:
+                raise ServiceUnavailable(f"postgres did not start: see {self.dir}/postgres.log")
+            time.sleep(0.05)
+        if not self._created:
+            admin = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+            _run_async(_pg_execute(admin, "CREATE DATABASE tokentrail"))
+            self._created = True
+
+    def kill(self) -> None:
+        """SIGKILL the postmaster and every backend (its process group)."""
+        assert self.proc is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        # backends die with the group; wait until none holds the port (the next start binds it)
+        deadline = time.monotonic() + 10
+        while _port_open(self.port) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0

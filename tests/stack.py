@@ -1,7 +1,8 @@
 """Real servers and workers for end-to-end tests.
 
 ``ServerThread`` runs the real app under uvicorn on a free loopback port (real HTTP, SSE and
-websockets); ``WorkerThread`` runs a real worker client (its own event loop) against it.
+websockets), optionally with an in-process worker; ``WorkerThread`` runs a real worker client (its own
+event loop) against it.
 Multi-process tests start ``python -m tokentrail`` children with ``tokentrail.launcher.spawn``.
 """
 
@@ -20,6 +21,7 @@ import uvicorn
 
 from server.app import create_app
 from server.settings import ServerSettings
+from server.workers.links import LocalWorker
 from shared.protocol import PROTOCOL_VERSION, HelloFrame
 from tokentrail.launcher import free_port
 from worker.chat_format import ChatFormat
@@ -49,17 +51,21 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None
 
 
 class ServerThread:
-    def __init__(self, settings: ServerSettings) -> None:
+    """The app under uvicorn in a thread; ``local_worker``: a worker in its process (``tokentrail serve
+    --model``), started by the app's lifespan (``start`` returns once it serves)."""
+
+    def __init__(self, settings: ServerSettings, local_worker: LocalWorker | None = None) -> None:
         self.settings = settings
         self.port = settings.port
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=self.port, log_level="warning")
+        app = create_app(settings, local_worker)
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def start(self) -> ServerThread:
         self.thread.start()
-        wait_for(lambda: httpx.get(f"{self.url}/health").status_code == 200, 30, "server")
+        wait_for(lambda: httpx.get(f"{self.url}/health").status_code == 200, 60, "server")
         return self
 
     def stop(self) -> None:

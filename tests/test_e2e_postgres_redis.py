@@ -72,7 +72,9 @@ def cluster(
 
 def test_ready_pings_database_and_redis(cluster: tuple[str, str]) -> None:
     body = httpx.get(f"{cluster[0]}/ready").json()
+    engines = body.pop("worker_engines")  # of the workers connected to this replica, by state
     assert body == {"status": "ok", "checks": {"database": "ok", "redis": "ok"}}
+    assert set(engines) <= {"ready"}, engines
 
 
 def test_oa_flow_across_two_servers(cluster: tuple[str, str]) -> None:
@@ -184,3 +186,27 @@ def test_tokenizer_calls_reach_a_worker_of_another_replica(cluster: tuple[str, s
     )
     assert done.status_code == 200, done.text
     assert done.json()["choices"][0]["text"].startswith(text["prompt"])
+
+
+def test_openai_turns_continue_their_stored_path_on_postgres(cluster: tuple[str, str]) -> None:
+    """Server-side matching on PostgreSQL (list parameters bound as arrays): each turn echoed back
+    continues the same chat, a pinned conversation is checked for ownership, another user's is not found."""
+    a, b = cluster
+    headers = login(a, "pg-openai")
+    messages: list[dict[str, Any]] = []
+    chat_id = None
+    for i, url in enumerate([a, b, a]):
+        messages.append({"role": "user", "content": f"turn {i}"})
+        body = {"model": MODEL, "messages": messages, "max_tokens": 4, "seed": i}
+        resp = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+        assert resp.status_code == 200, resp.text
+        info = resp.json()["tokentrail"]
+        assert info["matched_messages"] == 2 * i and not info["forked"], info
+        assert chat_id in (None, info["chat_id"])
+        chat_id = info["chat_id"]
+        messages.append({"role": "assistant", "content": resp.json()["choices"][0]["message"]["content"]})
+    pinned = {"model": MODEL, "messages": messages[:1], "max_tokens": 2, "conversation_id": chat_id}
+    ok = httpx.post(f"{b}/v1/chat/completions", json=pinned, headers=headers, timeout=60)
+    assert ok.status_code == 200 and ok.json()["tokentrail"]["chat_id"] == chat_id, ok.text
+    other = httpx.post(f"{b}/v1/chat/completions", json=pinned, headers=login(a, "pg-openai-2"), timeout=60)
+    assert other.status_code == 404 and other.json()["error"]["code"] == "chat_not_found", other.text

@@ -73,3 +73,26 @@ def test_ceiling_mode_fans_out_synthetic_tokens_to_every_reader(tiny_model_dir: 
     [point] = data["points"]
     assert point["arm"] == "synthetic/oa" and point["tokens_per_s"] > 0
     assert point["server_cpu_ms_per_token"] > 0
+
+
+def test_profile_summary_charges_samples_to_the_innermost_known_library(tmp_path: Path) -> None:
+    from benchmarks.pipeline.profile import OTHER, summarize
+
+    site = "/usr/lib/python3.11/site-packages"
+    raw = tmp_path / "server.txt"
+    raw.write_text(
+        f"run (/repo/server/cli.py);chat (/repo/server/api/openai_chat.py);execute ({site}/sqlalchemy/engine/base.py);"
+        "cast (/usr/lib/python3.11/typing.py) 6\n"  # a standard-library frame under SQLAlchemy
+        f"run (/repo/server/cli.py);chat (/repo/server/api/openai_chat.py) 3\n"
+        f"serve ({site}/uvicorn/server.py);_run (/usr/lib/python3.11/threading.py) 1\n"
+        "<native> 2\n"
+    )
+    s = summarize(raw)
+    assert s.samples == 12
+    assert s.by_category["SQLAlchemy"] == 6
+    assert s.by_category["tokentrail server"] == 3
+    assert s.by_category["HTTP server (uvicorn, h11, httptools)"] == 1
+    assert s.by_category[OTHER] == 2
+    assert s.tokentrail_inclusive["server/api/openai_chat.py:chat"] == 9
+    assert "server/cli.py:run" not in s.tokentrail_inclusive  # entry points hold everything: left out
+    assert s.tokentrail_own == {"server/api/openai_chat.py:chat": 3}

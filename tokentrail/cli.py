@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import typer
 
-from server.cli import admin_app, db_app, export, serve
+from server.cli import admin_app, db_app, export
 from text_client.cli import chat
 from tokentrail.quickstart import demo, up
+from tokentrail.serve import serve
 from worker.cli import model_app, verify, worker
 
 app = typer.Typer(

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+
+from worker import engine_options as opt
+
+ENGINE_FAILED_EXIT = 3  # the engine could not be restarted (worker.engine_health)
 
 model_app = typer.Typer(help="Local models for tests and demos.", no_args_is_help=True)
 
@@ -25,88 +27,66 @@ def worker(
     api_key: Annotated[
         str, typer.Option(envvar="TOKENTRAIL_WORKER_KEY", help="From `tokentrail admin create-worker-key`.")
     ],
-    model: Annotated[str, typer.Option(help="Hugging Face model dir or id, or 'tiny' for the built-in test model.")],
-    engine: Annotated[str, typer.Option(help="hf (transformers) or vllm.")] = "hf",
-    max_parallel: Annotated[int, typer.Option(min=1, max=4096, help="Messages generated at once.")] = 8,
-    device: Annotated[str, typer.Option(help="cpu or cuda (hf engine).")] = "cpu",
-    threads: Annotated[
-        int | None,
-        typer.Option(min=1, help="hf on CPU: torch threads (default: OMP_NUM_THREADS, else all cores but one)."),
-    ] = None,
+    model: Annotated[str, typer.Option(help=opt.MODEL_HELP)],
+    engine: opt.Engine = "hf",
+    max_parallel: opt.MaxParallel = 8,
+    device: opt.Device = "cpu",
+    threads: opt.Threads = None,
     drain_timeout: Annotated[
         float,
         typer.Option(min=0, help="On SIGTERM: seconds to finish messages in hand before handing them back."),
     ] = 60.0,
-    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16 (vllm also: auto).")] = "float32",
-    served_model_name: Annotated[
-        str | None, typer.Option(help="Name clients use (model_config_name). Default: --model.")
-    ] = None,
-    max_model_len: Annotated[int | None, typer.Option(help="vllm: context length (default: the model's).")] = None,
-    gpu_memory_utilization: Annotated[
-        float,
-        typer.Option(
-            min=0.01, max=1.0, help="vllm: share of GPU memory (CPU build: KV cache via VLLM_CPU_KVCACHE_SPACE)."
-        ),
-    ] = 0.9,
-    tensor_parallel_size: Annotated[int, typer.Option(min=1, help="vllm: GPUs to shard the model over.")] = 1,
-    vllm_log_stats: Annotated[
-        bool, typer.Option(help="vllm: its periodic throughput log and stats (about 10% more worker CPU per token).")
-    ] = False,
-    prompt_mode: Annotated[
-        str, typer.Option(help="stitch (token-exact, default) or naive (re-render history; for baselines only).")
-    ] = "stitch",
-    closer_policy: Annotated[
-        str,
-        typer.Option(
-            help="keep: next prompts keep the sampled closer (one training sample per chat); history: use the "
-            "template's history closer where it differs from the sampled one (gpt-oss <|return|> -> <|end|>), "
-            "recorded as a fork that export splits."
-        ),
-    ] = "keep",
-    chat_template_kwargs: Annotated[
-        str | None,
-        typer.Option(help="JSON object of extra chat-template variables, e.g. '{\"enable_thinking\": false}'."),
-    ] = None,
-    log_level: Annotated[str, typer.Option()] = "info",
-    log_format: Annotated[str, typer.Option(help="text, or json: one JSON object per line")] = "text",
+    dtype: opt.Dtype = "float32",
+    served_model_name: opt.ServedModelName = None,
+    max_model_len: opt.MaxModelLen = None,
+    gpu_memory_utilization: opt.GpuMemoryUtilization = 0.9,
+    tensor_parallel_size: opt.TensorParallelSize = 1,
+    vllm_log_stats: opt.VllmLogStats = False,
+    vllm_chunked_prefill: opt.VllmChunkedPrefill = None,
+    engine_max_restarts: opt.EngineMaxRestarts = 5,
+    prompt_mode: opt.PromptModeOption = "stitch",
+    closer_policy: opt.CloserPolicyOption = "keep",
+    chat_template_kwargs: opt.ChatTemplateKwargs = None,
+    log_level: opt.LogLevel = "info",
+    log_format: opt.LogFormat = "text",
 ) -> None:
     """Connect to a server and generate for it until stopped."""
     from shared.logs import configure_logging
-    from worker.runner import VLLMOptions, run_worker
+    from worker.engine_health import EngineUnrecoverable
+    from worker.runner import run_worker
 
     try:
         configure_logging(log_level, log_format)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    if engine not in ("hf", "vllm"):
-        raise typer.BadParameter("--engine must be hf or vllm")
-    if prompt_mode not in ("stitch", "naive"):
-        raise typer.BadParameter("--prompt-mode must be stitch or naive")
-    if closer_policy not in ("keep", "history"):
-        raise typer.BadParameter("--closer-policy must be keep or history")
-    kwargs = _json_object(chat_template_kwargs) if chat_template_kwargs else {}
-    with contextlib.suppress(KeyboardInterrupt):
-        _run(
-            run_worker(
-                server_url=server_url,
-                api_key=api_key,
-                model=model,
-                engine_name=engine,
-                max_parallel=max_parallel,
-                device=device,
-                dtype=dtype,
-                served_model_name=served_model_name,
-                prompt_mode=prompt_mode,  # type: ignore[arg-type]
-                closer_policy=closer_policy,  # type: ignore[arg-type]
-                template_kwargs=kwargs,
-                vllm=VLLMOptions(max_model_len, gpu_memory_utilization, tensor_parallel_size, vllm_log_stats),
-                threads=threads,
-                drain_timeout_s=drain_timeout,
-            )
-        )
+    spec = opt.model_spec(
+        model=model,
+        engine=engine,
+        max_parallel=max_parallel,
+        device=device,
+        threads=threads,
+        dtype=dtype,
+        served_model_name=served_model_name,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization,
+        tensor_parallel_size=tensor_parallel_size,
+        vllm_log_stats=vllm_log_stats,
+        vllm_chunked_prefill=vllm_chunked_prefill,
+        engine_max_restarts=engine_max_restarts,
+        prompt_mode=prompt_mode,
+        closer_policy=closer_policy,
+        chat_template_kwargs=chat_template_kwargs,
+    )
+    try:
+        run_on_uvloop(run_worker(spec, server_url=server_url, api_key=api_key, drain_timeout_s=drain_timeout))
+    except KeyboardInterrupt:
+        pass
+    except EngineUnrecoverable as exc:
+        typer.echo(f"worker: {exc}", err=True)
+        raise typer.Exit(code=ENGINE_FAILED_EXIT) from exc
 
 
-def _run(main: Coroutine[Any, Any, None]) -> None:
+def run_on_uvloop(main: Coroutine[Any, Any, None]) -> None:
     """Run on uvloop where it is installed (cheaper wake-ups from the engine thread, faster sockets)."""
     try:
         import uvloop
@@ -115,16 +95,6 @@ def _run(main: Coroutine[Any, Any, None]) -> None:
         return
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(main)
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise typer.BadParameter(f"--chat-template-kwargs is not JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise typer.BadParameter("--chat-template-kwargs must be a JSON object")
-    return value
 
 
 @model_app.command("tiny")

@@ -1,9 +1,15 @@
-"""The worker's websocket client: connect, say hello, take work while credits last, send the frames
-that each message's generation (``worker.generation``) yields, answer tokenizer calls, drain.
+"""The worker's client: connect, say hello, take work while credits last, send the frames that each
+message's generation (``worker.generation``) yields, answer tokenizer calls, drain.
 
-Reconnects with capped exponential backoff and jitter; a refused key or protocol version is
-fatal. Generation runs as one task per message; losing the connection aborts them all (the
-server re-queues and a worker resumes from the tokens already streamed).
+It talks to the server over a channel (``worker.channels``): a websocket, on which it reconnects with
+capped exponential backoff and jitter (a refused key or protocol version is fatal), or the in-process
+link of ``tokentrail serve --model``. Generation runs as one task per message; losing the connection
+aborts them all (the server re-queues and a worker resumes from the tokens already streamed).
+
+With a ``SupervisedEngine`` (worker.engine_health), an engine death stops the worker taking work at
+once: the messages in hand are aborted and handed back with an ``engine`` frame (or, to a server that
+does not take those, by disconnecting), none is failed; credits are granted again once the engine has
+been restarted. An engine that cannot be restarted ends ``run_forever`` with ``EngineUnrecoverable``.
 """
 
 from __future__ import annotations
@@ -14,38 +20,40 @@ import logging
 import random
 import time
 from collections import OrderedDict
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import websockets
 from pydantic import ValidationError
-from websockets.asyncio.client import ClientConnection
 
 from shared.errors import ErrorCode
+from shared.local_link import WorkerEnd
 from shared.protocol import (
     FEATURE_BATCH,
     FEATURE_DRAIN,
+    FEATURE_ENGINE,
     FEATURE_RPC,
     FEATURE_UNSEEDED,
     PROTOCOL_VERSION,
     CancelFrame,
     CreditFrame,
     DrainFrame,
+    EngineFrame,
     ErrorFrame,
     FailedFrame,
-    FinishedFrame,
     HeartbeatFrame,
     HelloFrame,
     RpcFrame,
     RpcResultFrame,
-    TokensFrame,
     WelcomeFrame,
     WorkFrame,
-    server_frame_adapter,
 )
+from worker.channels import Channel, LocalChannel, SocketChannel, ToServer
 from worker.chat_format import ChatFormat, RenderError
-from worker.engines.contract import Engine, EngineError
-from worker.frames import StepTokens
-from worker.generation import Pipeline
+from worker.engine_health import HealthState, SupervisedEngine
+from worker.engines.contract import Engine, EngineDead, EngineError
+from worker.generation import Pipeline, engine_request_id
 from worker.prompt_builder import CloserPolicy, PromptMode, template_error
 from worker.rpc import RpcError, handle_rpc, vocab_size
 
@@ -88,7 +96,7 @@ class WorkerClient:
         self.engine = engine
         self.fmt = fmt
         self.pipeline = Pipeline(engine, fmt, prompt_mode=options.prompt_mode, closer_policy=options.closer_policy)
-        self._ws: ClientConnection | None = None
+        self._channel: Channel | None = None
         self._send_lock = asyncio.Lock()
         self._batching = False  # the server takes the frames of one engine step as one message
         self._outbox: _Outbox | None = None
@@ -102,7 +110,14 @@ class WorkerClient:
         # with the server before being stored, so it is named in ``released`` too (fenced by attempt).
         self._recent: OrderedDict[str, tuple[int, float]] = OrderedDict()  # oldest first
         self._drain_frames = False  # the server takes a drain frame
+        self._engine_frames = False  # the server takes engine frames
         self.completed = 0
+        # the engine died and is being restarted: no work is taken (nor credits granted) until it is back
+        self.health = engine if isinstance(engine, SupervisedEngine) else None
+        self.engine_down = False
+        self._health_tasks: set[asyncio.Task[None]] = set()
+        if self.health is not None:
+            self.health.on_change(self._engine_changed)
 
     def hello(self) -> HelloFrame:
         return HelloFrame(
@@ -117,6 +132,8 @@ class WorkerClient:
             features=[FEATURE_RPC, FEATURE_UNSEEDED],
             vocab_size=vocab_size(self.fmt),
             released=list(self._released.items()),
+            engine_deaths=self.health.deaths if self.health else 0,
+            engine_restarts=self.health.restarts if self.health else 0,
         )
 
     async def drain(self, timeout_s: float) -> None:
@@ -125,7 +142,7 @@ class WorkerClient:
         requeues it and the next worker continues after the tokens already streamed."""
         self.draining = True
         log.info("draining: %d messages in hand, up to %.0fs to finish them", len(self._tasks), timeout_s)
-        if self._ws is not None and self._drain_frames:
+        if self._channel is not None and self._drain_frames:
             with contextlib.suppress(ConnectionError, websockets.exceptions.WebSocketException):
                 await self._send(DrainFrame())
         deadline = time.monotonic() + timeout_s
@@ -133,10 +150,10 @@ class WorkerClient:
             await asyncio.wait(list(self._tasks.values()), timeout=left)
         if self._tasks:
             log.warning("drain timed out: handing back %d messages", len(self._tasks))
-        ws = self._ws
-        if ws is not None:
+        channel = self._channel
+        if channel is not None:
             with contextlib.suppress(Exception):
-                await ws.close(code=1001, reason="worker shutting down")
+                await channel.close()
 
     @property
     def server_urls(self) -> list[str]:
@@ -151,6 +168,8 @@ class WorkerClient:
         failures = 0
         while not self.draining:
             url = urls[self._url_index % len(urls)]
+            if self.health is not None:
+                await self.health.wait_ready()  # EngineUnrecoverable ends the worker
             try:
                 await self._session(url)
                 delay, failures = 0.5, 0
@@ -179,28 +198,53 @@ class WorkerClient:
         # No per-message compression: frames are small and sent per engine step, and deflating them
         # costs both ends more CPU than the bytes it saves on a datacenter link.
         async with websockets.connect(url, additional_headers=headers, max_size=64 * 2**20, compression=None) as ws:
-            self._ws = ws
+            await self._serve(SocketChannel(ws), url)
+
+    async def run_local(self, end: WorkerEnd) -> None:
+        """Serve over an in-process link (``tokentrail serve --model``) until it closes. No reconnection
+        here: the server holds the other end, and ``worker.in_process`` decides whether to dial again."""
+        try:
+            await self._serve(LocalChannel(end), "this process's server")
+        finally:
+            end.close(1001 if self.draining else 1000)  # as leaving ``websockets.connect`` closes a socket
+            self.connected.clear()
+            await self._abort_all()
+
+    async def _serve(self, channel: Channel, where: str) -> None:
+        """One session over a connected channel: hello, welcome, then frames until the server closes it."""
+        self._channel = channel
+        try:
             await self._send(self.hello())
-            first = server_frame_adapter.validate_json(await asyncio.wait_for(ws.recv(), timeout=30))
+            first = await asyncio.wait_for(channel.receive(), timeout=30)
+            if first is None:
+                raise ConnectionError("the server closed the connection before its welcome")
             if isinstance(first, ErrorFrame):
                 self._raise_error(first)
             if not isinstance(first, WelcomeFrame):
                 raise FatalWorkerError(f"expected welcome, got {first.type}")
-            log.info("connected as %s to %s", first.worker_id, url)
+            log.info("connected as %s to %s", first.worker_id, where)
             self._released.clear()  # this server has them now
             self._batching = FEATURE_BATCH in first.features
             self._drain_frames = FEATURE_DRAIN in first.features
+            self._engine_frames = FEATURE_ENGINE in first.features
             await self._send(CreditFrame(credits=self.options.max_parallel - len(self._tasks)))
             self.connected.set()
             beat = asyncio.create_task(self._heartbeat(first.heartbeat_interval_s))
             try:
-                async for raw in ws:
+                while True:
                     try:
-                        frame = server_frame_adapter.validate_json(raw)
+                        frame = await channel.receive()
                     except ValidationError as exc:
                         log.warning("ignoring a bad frame from the server: %s", exc)
                         continue
-                    if isinstance(frame, WorkFrame):
+                    if frame is None:
+                        return
+                    if isinstance(frame, WorkFrame) and self.engine_down:
+                        # sent before the server saw the engine die: hand it back too (a server without
+                        # engine frames requeues it when this worker disconnects, which it is doing)
+                        if self._engine_frames:
+                            await self._send(self._engine_frame("restarting", []))
+                    elif isinstance(frame, WorkFrame):
                         key = frame.message_id
                         self._attempts[key] = frame.attempt
                         self._tasks[key] = asyncio.create_task(self._work(frame), name=f"work-{key}")
@@ -212,7 +256,8 @@ class WorkerClient:
                         self._raise_error(frame)
             finally:
                 beat.cancel()
-                self._ws = None
+        finally:
+            self._channel = None
 
     def _rpc(self, frame: RpcFrame) -> RpcResultFrame:
         # Run in the event loop, not a thread: prompt builds share the tokenizer, and transformers
@@ -237,44 +282,30 @@ class WorkerClient:
             await asyncio.sleep(min(interval, self.options.heartbeat_interval_s))
             await self._send(HeartbeatFrame())
 
-    async def _send(
-        self,
-        frame: HelloFrame
-        | CreditFrame
-        | TokensFrame
-        | FinishedFrame
-        | FailedFrame
-        | HeartbeatFrame
-        | RpcResultFrame
-        | DrainFrame
-        | StepTokens,
-    ) -> None:
-        ws = self._ws
-        if ws is None:
+    async def _send(self, frame: ToServer) -> None:
+        channel = self._channel
+        if channel is None:
             raise ConnectionError("not connected")
-        data = frame.json() if isinstance(frame, StepTokens) else frame.model_dump_json().encode()
         if not self._batching:
             async with self._send_lock:
-                await ws.send(data.decode())
+                await channel.send(frame)
             return
         # Frames sent while the loop runs one engine step's consumers go out as one message: the
         # first schedules the flush, the rest join it; each sender waits for (and sees errors of) it.
         box = self._outbox
-        if box is None or box.ws is not ws:
-            box = self._outbox = _Outbox(ws)
+        if box is None or box.channel is not channel:
+            box = self._outbox = _Outbox(channel)
             asyncio.get_running_loop().create_task(self._flush(box))
-        box.frames.append(data)
+        box.frames.append(frame)
         await asyncio.shield(box.sent)
 
     async def _flush(self, box: _Outbox) -> None:
         await asyncio.sleep(0)  # let the rest of this step's senders add their frames
         if self._outbox is box:
             self._outbox = None
-        frames = box.frames
         try:
             async with self._send_lock:
-                # a text message, as the server reads it
-                await box.ws.send((frames[0] if len(frames) == 1 else b"[" + b",".join(frames) + b"]").decode())
+                await box.channel.send_step(box.frames)
             box.sent.set_result(None)
         except Exception as exc:
             box.sent.set_exception(exc)
@@ -309,6 +340,15 @@ class WorkerClient:
                 async for out in frames:
                     await self._send(out)
             self.completed += 1
+        except EngineDead as exc:
+            if self.health is not None:
+                return  # handed back with everything else the engine held (_engine_changed); no credit
+            log.warning("message %s: the engine died: %s", frame.message_id, exc)
+            await self._send_quietly(
+                FailedFrame(
+                    message_id=frame.message_id, attempt=frame.attempt, code=exc.code, message=str(exc), retryable=True
+                )
+            )
         except (RenderError, EngineError) as exc:
             code = exc.code if isinstance(exc, EngineError) else template_error(exc).code
             log.warning("message %s failed: %s", frame.message_id, exc)
@@ -334,8 +374,71 @@ class WorkerClient:
             self._tasks.pop(frame.message_id, None)
             self._attempts.pop(frame.message_id, None)
             self._ended(frame.message_id, frame.attempt)
-        if not self.draining:
+        if not self.draining and not self.engine_down:
             await self._send_quietly(CreditFrame(credits=1))
+
+    # ---- engine health ---------------------------------------------------------------------------
+    def _engine_changed(self, state: HealthState, running: frozenset[str]) -> None:
+        """Called by the SupervisedEngine as its state changes (synchronously: ``running``, the request
+        ids in the engine when it died, still match the tasks in hand)."""
+        if state == "restarting":
+            self.engine_down = True
+            died_with = [(mid, att) for mid, att in self._attempts.items() if engine_request_id(mid, att) in running]
+            self._in_background(self._engine_died(died_with))
+        elif state == "ready" and self.engine_down:
+            self.engine_down = False
+            self._in_background(self._engine_back())
+        elif state == "failed":
+            self._in_background(self._engine_failed())
+
+    def _in_background(self, job: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(job)
+        self._health_tasks.add(task)
+        task.add_done_callback(self._health_tasks.discard)
+
+    def _engine_frame(self, state: HealthState, running: list[tuple[str, int]]) -> EngineFrame:
+        health = self.health
+        assert health is not None and state != "starting"
+        return EngineFrame(
+            state=state, deaths=health.deaths, restarts=health.restarts, error=health.error, running=running
+        )
+
+    async def _engine_died(self, running: list[tuple[str, int]]) -> None:
+        """Stop the work in hand (its streams are dead) and hand it back: the server requeues it, to be
+        resumed after the tokens already streamed."""
+        tasks = list(self._tasks.values())
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        channel = self._channel
+        if channel is None:
+            return  # the next server hears of it in the hello's released work
+        if self._engine_frames:
+            with contextlib.suppress(ConnectionError, websockets.exceptions.WebSocketException):
+                await self._send(self._engine_frame("restarting", running))
+                return
+        # A server without engine frames: disconnect, and reconnect once the engine is back.
+        with contextlib.suppress(Exception):
+            await channel.close(1011, "engine restarting")
+
+    async def _engine_back(self) -> None:
+        if self._channel is None or not self._engine_frames or self.draining:
+            return  # a reconnect grants credits in its own time
+        with contextlib.suppress(ConnectionError, websockets.exceptions.WebSocketException):
+            await self._send(self._engine_frame("ready", []))
+            await self._send(CreditFrame(credits=self.options.max_parallel - len(self._tasks)))
+
+    async def _engine_failed(self) -> None:
+        channel = self._channel
+        if channel is None:
+            return
+        if self._engine_frames:
+            with contextlib.suppress(ConnectionError, websockets.exceptions.WebSocketException):
+                await self._send(self._engine_frame("failed", []))
+        with contextlib.suppress(Exception):
+            await channel.close(1011, "engine failed")
 
     def _ended(self, message_id: str, attempt: int) -> None:
         now = time.monotonic()
@@ -353,11 +456,11 @@ class WorkerClient:
 
 
 class _Outbox:
-    """Frames queued for one websocket message, and the future of its send."""
+    """Frames queued for one message (one engine step's), and the future of its send."""
 
-    def __init__(self, ws: ClientConnection) -> None:
-        self.ws = ws
-        self.frames: list[bytes] = []  # each frame's JSON
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        self.frames: list[ToServer] = []
         self.sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         # mark a failure retrieved even when every sender has gone (their tasks were cancelled)
         self.sent.add_done_callback(lambda f: None if f.cancelled() else f.exception())

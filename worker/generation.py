@@ -56,7 +56,7 @@ class Pipeline:
         gen = self._start(work)
         remaining = work.sampling.max_new_tokens - len(gen.token_ids)
         if remaining > 0 and gen.stops.found(gen.detok.text) is None:
-            request_id = _request_id(work.message_id, work.attempt)
+            request_id = engine_request_id(work.message_id, work.attempt)
             engine_prompt = gen.prompt.prompt_ids + gen.token_ids
             first = True
             async for step in self.engine.generate(request_id, engine_prompt, self._params(work, remaining)):
@@ -83,7 +83,7 @@ class Pipeline:
 
     async def cancel(self, message_id: str, attempt: int) -> None:
         """Stop generating for this attempt (its engine stream ends with finish_reason "abort")."""
-        await self.engine.abort(_request_id(message_id, attempt))
+        await self.engine.abort(engine_request_id(message_id, attempt))
 
     def _start(self, work: WorkFrame) -> Generation:
         prompt, check = self.prompts.build(work)
@@ -150,10 +150,10 @@ class Generation:
     def resume(self, resume: ResumeState) -> None:
         if resume.compat_hash != self.fmt.compat_hash:
             raise EngineError(ErrorCode.bad_request.value, "cannot resume tokens of another tokenizer")
-        for tid in resume.token_ids:
+        for k, tid in enumerate(resume.token_ids):
             self.detok.add(tid)
             if self.tracker is not None:
-                self.tracker.feed(tid)
+                self.tracker.feed(tid, resume.texts[k] if k < len(resume.texts) else "")
         self.token_ids += resume.token_ids
         self.logprobs += resume.logprobs
         # Keep the earlier attempt's text split exactly as readers already received it.
@@ -200,7 +200,7 @@ class Generation:
             step_ids,
             lps,
             texts,
-            "".join([tracker.feed(t) for t in step_ids]) if tracker is not None else None,
+            None if tracker is None else "".join([tracker.feed(t, x) for t, x in zip(step_ids, texts, strict=True)]),
             self._top(top),
             self.prompt.prompt_ids if with_prompt else None,
         )
@@ -378,5 +378,6 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def _request_id(message_id: str, attempt: int) -> str:
+def engine_request_id(message_id: str, attempt: int) -> str:
+    """The engine request id of one attempt of a message."""
     return f"{message_id}:{attempt}"

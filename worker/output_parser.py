@@ -6,8 +6,8 @@ from the tokenizer's vocabulary (and chat template), never from a model name:
 
 * **reasoning** (Qwen3 / DeepSeek-R1): ``<think>`` ... ``</think>``. A ``</think>`` with no ``<think>``
   before it closes a block the generation prompt opened, so the text before it is reasoning. When the
-  chat template's generation prompt itself ends with ``<think>``, a completion without any think marker
-  is all (unclosed) reasoning.
+  chat template's generation prompt itself ends with ``<think>``, the completion is reasoning up to its
+  first ``</think>`` (a ``<think>`` inside is reasoning text), all of it if none comes.
 * **hermes tool calls** (Qwen2.5 / Qwen3 / Hermes): ``<tool_call>`` ``{"name": ..., "arguments": {...}}``
   ``</tool_call>``, any number of blocks.
 * **llama3 tool calls**: ``<|python_tag|>`` then ``{"name": ..., "parameters": {...}}`` objects separated
@@ -44,9 +44,10 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
-__all__ = ["ChannelTracker", "OutputParser", "ParsedOutput"]
+__all__ = ["ChannelTracker", "OutputParser", "ParsedOutput", "block_call"]
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -141,6 +142,12 @@ def _call_from_object(obj: Any) -> tuple[str, str]:
     raise _Malformed(f'"arguments" of {name!r} is neither an object nor a string')
 
 
+def block_call(body: str) -> tuple[str, str]:
+    """(name, arguments) of the text between ``<tool_call>`` and ``</tool_call>``, or ValueError /
+    RecursionError: the one rule for parsing and for streaming (``ChannelTracker``)."""
+    return _call_from_object(_JSON.decode(body.strip()))
+
+
 def _tool_call(index: int, name: str, arguments: str) -> dict[str, Any]:
     # Deterministic: the same generation always gets the same ids (replays, caching, RL exports).
     digest = hashlib.sha256(json.dumps([index, name, arguments], ensure_ascii=False).encode()).hexdigest()
@@ -218,6 +225,12 @@ class OutputParser:
     def channels(self, *, prompt_opens_think: bool) -> ChannelTracker:
         return ChannelTracker(self, prompt_opens_think)
 
+    @cached_property
+    def markers_literal(self) -> bool:
+        """Whether each marker streams as its literal text (not a special token that decoding skips),
+        as ``parse`` renders a marker that is text."""
+        return all(self._decode([token_id]) == text for token_id, text in self._markers.items())
+
     # ---- decoding ----------------------------------------------------------------------------------
     def _decode(self, ids: Sequence[int]) -> str:
         if not ids:
@@ -277,6 +290,11 @@ class OutputParser:
         first_close = ids.index(close_id) if close_id in ids else None
         if first_close is not None and (first_open is None or first_close < first_open) and retroactive:
             return ids[:first_close], ids[first_close + 1 :]  # the prompt opened the block
+        if opened:  # its first </think> closes it; a <think> inside is reasoning text, as it streamed
+            if first_close is not None:
+                return ids[:first_close], ids[first_close + 1 :]
+            notes.append(f"the prompt opened {THINK_OPEN} and the completion never closed it: all reasoning")
+            return ids, []
         if first_open is not None:
             try:
                 close = ids.index(close_id, first_open + 1)
@@ -284,9 +302,6 @@ class OutputParser:
                 notes.append(f"unclosed {THINK_OPEN}: the text after it is kept as reasoning")
                 return ids[first_open + 1 :], ids[:first_open]
             return ids[first_open + 1 : close], ids[:first_open] + ids[close + 1 :]
-        if opened:
-            notes.append(f"the prompt opened {THINK_OPEN} and the completion never closed it: all reasoning")
-            return ids, []
         return None, ids
 
     def _split_tool_calls(self, ids: list[int], notes: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
@@ -308,7 +323,7 @@ class OutputParser:
                     k = end  # the raw text (opener included) stays in content
                     continue
                 try:
-                    calls.append(_call_from_object(_JSON.decode(body.strip())))
+                    calls.append(block_call(body))
                 except (ValueError, RecursionError) as exc:  # _Malformed is a ValueError
                     notes.append(f"{TOOL_CALL_OPEN} block {_snippet(body)}: {exc}; kept as content")
                 else:
@@ -375,40 +390,74 @@ class OutputParser:
 
 class ChannelTracker:
     """Classifies completion tokens one at a time, for streaming: each token is content, reasoning,
-    tool-call markup or hidden (``shared.protocol`` CHANNEL_*), following ``OutputParser.parse``'s
-    rules with the prompt's ``prompt_opens_think`` given (so a ``</think>`` the prompt did not open is
-    literal text in both). The parsed message is authoritative: a malformed tool call becomes content
-    there (the final stream chunk then carries that text)."""
+    held tool-call text, an unparsed block's close or hidden (``shared.protocol`` CHANNEL_*), following
+    ``OutputParser.parse``'s rules with the prompt's ``prompt_opens_think`` given (so a ``</think>`` the
+    prompt did not open is literal text in both).
+
+    Parsing is a view (DESIGN D19): a token whose place the parse cannot know yet is held, never shown
+    as something it may not be. A ``<tool_call>`` block is held up to its close, then dropped (it parsed:
+    the call comes with the finished message) or released as content (CHANNEL_UNPARSED, with the same
+    ``block_call`` rule as ``parse``). What only the end decides (an unclosed block, a ``<|python_tag|>``
+    tail, a reply that may be one bare JSON call, a marker whose streamed text is not its literal text)
+    holds everything from there on; the finished message then carries it."""
 
     def __init__(self, parser: OutputParser, prompt_opens_think: bool) -> None:
         self._p = parser
         self._state = "reasoning" if prompt_opens_think and parser.think is not None else "content"
         self._think_done = self._state == "reasoning"  # only the first block is reasoning
+        self._block: list[int] = []  # the open tool-call block's ids
+        self._visible = False  # non-whitespace content seen (a bare JSON call is the whole content)
 
-    def feed(self, token_id: int) -> str:
+    def feed(self, token_id: int, text: str) -> str:
+        """The channel of the next token; ``text`` is what it adds to the streamed text."""
         p = self._p
-        if self._state == "reasoning":
+        state = self._state
+        if state == "held":
+            return "t"
+        marker = p._markers.get(token_id)
+        if state == "reasoning":
             assert p.think is not None
             if token_id == p.think[1]:
                 self._state = "content"
                 return "x"
-            return "r"
-        if self._state == "tool":
-            if p.hermes is not None and token_id == p.hermes[1]:
-                self._state = "content"
-            return "t"
-        if self._state == "tail-tool":
-            return "t"
+            return "r" if marker is None or p.markers_literal else self._hold()
+        if state == "tool":
+            return self._in_block(token_id)
         if p.think is not None and not self._think_done and token_id == p.think[0]:
             self._think_done = True
             self._state = "reasoning"
             return "x"
         if p.hermes is not None and token_id == p.hermes[0]:
-            self._state = "tool"
+            self._state, self._block = "tool", []
             return "t"
-        if p.python_tag is not None and token_id == p.python_tag:
-            self._state = "tail-tool"
-            return "t"
+        if token_id == p.python_tag or (marker is not None and not p.markers_literal):
+            return self._hold()
         if token_id in p._trailing:
             return "x"
+        if not self._visible and text.strip():
+            self._visible = True
+            if p.python_tag is not None and text.lstrip().startswith("{"):
+                return self._hold()  # Llama 3's JSON tool calling: the whole content may be one call
         return "c"
+
+    def _hold(self) -> str:
+        self._state = "held"  # to the end: the finished message decides
+        return "t"
+
+    def _in_block(self, token_id: int) -> str:
+        p = self._p
+        assert p.hermes is not None
+        if token_id != p.hermes[1]:
+            if token_id in p._markers:  # another opener, a think marker: left to the end (rare)
+                return self._hold()
+            self._block.append(token_id)
+            return "t"
+        self._state = "content"
+        try:
+            block_call(p._text(self._block))
+        except (ValueError, RecursionError):
+            if not p.markers_literal:  # its streamed text lacks the markers: the message carries it
+                return self._hold()
+            self._visible = True
+            return "u"
+        return "t"

@@ -1,4 +1,5 @@
-"""Wires a worker process together: resolve the model, load tokenizer and engine, run the client."""
+"""Wires a worker together: resolve the model, load tokenizer and engine (``load_model``, shared with the
+in-process worker of ``tokentrail serve --model``), run the client over the websocket (``run_worker``)."""
 
 from __future__ import annotations
 
@@ -7,22 +8,15 @@ import contextlib
 import logging
 import signal
 from dataclasses import dataclass
-from typing import Any
 
+from worker import fault_injection
 from worker.chat_format import ChatFormat
 from worker.client import WorkerClient, WorkerOptions
+from worker.engine_health import SupervisedEngine
 from worker.engines.contract import Engine
-from worker.prompt_builder import CloserPolicy, PromptMode
+from worker.spec import ModelSpec, VLLMOptions
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class VLLMOptions:
-    max_model_len: int | None = None
-    gpu_memory_utilization: float = 0.9
-    tensor_parallel_size: int = 1
-    log_stats: bool = False  # vLLM's periodic stats log and metrics
 
 
 def make_engine(
@@ -51,49 +45,64 @@ def make_engine(
             gpu_memory_utilization=opts.gpu_memory_utilization,
             max_num_seqs=max_parallel,
             log_stats=opts.log_stats,
+            enable_chunked_prefill=opts.chunked_prefill,
         )
     raise ValueError(f"unknown engine {name!r}: hf or vllm")
 
 
-async def run_worker(
-    *,
-    server_url: str,
-    api_key: str,
-    model: str,
-    engine_name: str,
-    max_parallel: int,
-    device: str,
-    dtype: str,
-    served_model_name: str | None,
-    prompt_mode: PromptMode = "stitch",
-    closer_policy: CloserPolicy = "keep",
-    template_kwargs: dict[str, Any] | None = None,
-    vllm: VLLMOptions | None = None,
-    threads: int | None = None,
-    drain_timeout_s: float = 60.0,
-) -> None:
+@dataclass
+class LoadedModel:
+    spec: ModelSpec
+    path: str
+    fmt: ChatFormat
+    engine: SupervisedEngine  # started
+
+    def client(self, server_url: str = "", api_key: str = "") -> WorkerClient:
+        """A client generating with this model (no server URL: it serves an in-process link)."""
+        spec = self.spec
+        options = WorkerOptions(
+            server_url=server_url,
+            api_key=api_key,
+            model_name=spec.name,
+            max_parallel=spec.max_parallel,
+            prompt_mode=spec.prompt_mode,
+            closer_policy=spec.closer_policy,
+        )
+        return WorkerClient(options, self.engine, self.fmt)
+
+
+async def load_model(spec: ModelSpec) -> LoadedModel:
+    """Resolve the model, load its tokenizer and chat template, and start its engine (supervised: a dead
+    engine is restarted, ``worker.engine_health``)."""
     from worker.tiny import resolve_model
 
-    model_path = await asyncio.to_thread(resolve_model, model)
-    fmt = await asyncio.to_thread(ChatFormat.load, model_path, template_kwargs=template_kwargs)
-    engine = make_engine(
-        engine_name, model_path, device=device, dtype=dtype, max_parallel=max_parallel, vllm=vllm, threads=threads
+    model_path = await asyncio.to_thread(resolve_model, spec.model)
+    fmt = await asyncio.to_thread(ChatFormat.load, model_path, template_kwargs=spec.template_kwargs or None)
+    engine = SupervisedEngine(
+        lambda: make_engine(
+            spec.engine,
+            model_path,
+            device=spec.device,
+            dtype=spec.dtype,
+            max_parallel=spec.max_parallel,
+            vllm=spec.vllm,
+            threads=spec.threads,
+        ),
+        spec.restart_policy,
     )
     await engine.start()
-    log.info("model %s loaded from %s (engine %s)", model, model_path, engine_name)
-    options = WorkerOptions(
-        server_url=server_url,
-        api_key=api_key,
-        model_name=served_model_name or model,
-        max_parallel=max_parallel,
-        prompt_mode=prompt_mode,
-        closer_policy=closer_policy,
-    )
-    client = WorkerClient(options, engine, fmt)
+    fault_injection.install(engine)
+    log.info("model %s loaded from %s (engine %s)", spec.model, model_path, spec.engine)
+    return LoadedModel(spec, model_path, fmt, engine)
+
+
+async def run_worker(spec: ModelSpec, *, server_url: str, api_key: str, drain_timeout_s: float = 60.0) -> None:
+    """``tokentrail worker``: serve ``spec`` to a server over its websocket until SIGTERM."""
+    loaded = await load_model(spec)
     try:
-        await _serve_until_sigterm(client, drain_timeout_s)
+        await _serve_until_sigterm(loaded.client(server_url, api_key), drain_timeout_s)
     finally:
-        await engine.close()
+        await loaded.engine.close()
 
 
 async def _serve_until_sigterm(client: WorkerClient, drain_timeout_s: float) -> None:

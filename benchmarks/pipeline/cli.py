@@ -1,7 +1,7 @@
 """What tokentrail's pipeline costs on top of its engine, and against ``vllm serve``: the same model,
 conversations, sampling and closed-loop concurrency for every arm, one arm at a time.
 
-    python benchmarks/pipeline.py [--engine hf|vllm] [--arms engine,embedded,redis,vllm-serve]
+    python benchmarks/pipeline.py [--engine hf|vllm] [--arms engine,embedded,one-process,redis,vllm-serve]
         [--api oa,openai] [--workload single,agent] [--turns 8] [--stop fixed,natural] [--tokens 64]
         [--concurrency 1,8,32] [--duration 20] [--seed-requests] [--run-seed N] [--json] [--plot FILE.png]
     python benchmarks/pipeline.py --ceiling [--concurrency 32] [--readers 4] [--duration 10]
@@ -13,6 +13,8 @@ Arms (each a fresh process tree, started after the previous one stopped):
 - ``engine``: the engine alone in a process of its own, ``c`` tasks calling ``engine.generate``;
 - ``embedded``: tokentrail on embedded defaults (SQLite, in-process queue and streams), a server process
   and a worker process;
+- ``one-process``: the same defaults, one ``tokentrail serve --model`` process (the worker inside the
+  server's process, no websocket between them; its CPU is reported as the server's);
 - ``redis``: the same on PostgreSQL + Redis (a fresh database, dropped afterwards);
 - ``vllm-serve`` (``--engine vllm``): ``vllm serve`` on the same model, driven with the same OpenAI
   request bodies as tokentrail's ``openai`` front door (plus ``return_token_ids``), with prompt-token
@@ -57,11 +59,12 @@ from benchmarks.models import prepare_model
 from benchmarks.pipeline.clients import drive_tokentrail, drive_vllm_serve
 from benchmarks.pipeline.conversation import Workload
 from benchmarks.pipeline.measure import CpuMeter, Point, Role, summary
+from benchmarks.pipeline.profile import Profiler
 from benchmarks.pipeline.report import checks, plot, print_report, ratios
 from benchmarks.pipeline.stack import engine_process, postgres_and_redis, tokentrail_stack, vllm_serve
 from benchmarks.progress import say
 
-ARMS = ("engine", "embedded", "redis", "vllm-serve")
+ARMS = ("engine", "embedded", "one-process", "redis", "vllm-serve")
 APIS = ("oa", "openai")
 
 
@@ -100,6 +103,7 @@ def run(args: argparse.Namespace) -> list[Point]:
     apis = _list(args.api, APIS, "--api")
     loads = workloads(args)
     model_dir = args.model_dir or prepare_model("chatml")
+    profiler = Profiler(args.profile) if args.profile else None
     points: list[Point] = []
     with tempfile.TemporaryDirectory(prefix="tt-pipeline-") as tmp:
         work = Path(tmp)
@@ -109,6 +113,15 @@ def run(args: argparse.Namespace) -> list[Point]:
             if arm == "engine":
                 say(f"engine alone ({args.engine})...")
                 points += engine_process(args.engine, _child_args(args, model_dir), sub)
+            elif arm == "one-process":
+                say(f"tokentrail serve --model, one process, embedded ({args.engine})...")
+                with tokentrail_stack(sub, model_dir, max(levels), args.engine, one_process=True) as stack:
+                    # the server process holds the worker (and the hf engine); vLLM's engine core is its child
+                    roles = [Role("server", stack.pids["server"], "engine_core")]
+                    meter = CpuMeter(roles, client=True, profiler=profiler)
+                    points += asyncio.run(
+                        drive_tokentrail(arm, stack.url, stack.user_key, meter, apis, loads, levels, args.duration)
+                    )
             elif arm in ("embedded", "redis"):
                 say(f"tokentrail {'embedded' if arm == 'embedded' else 'on PostgreSQL + Redis'} ({args.engine})...")
                 services: contextlib.AbstractContextManager[dict[str, str]] = (
@@ -116,7 +129,7 @@ def run(args: argparse.Namespace) -> list[Point]:
                 )
                 with services as env, tokentrail_stack(sub, model_dir, max(levels), args.engine, env) as stack:
                     roles = [Role("server", stack.pids["server"]), Role("worker", stack.pids["worker"], "engine_core")]
-                    meter = CpuMeter(roles, services=arm == "redis", client=True)
+                    meter = CpuMeter(roles, services=arm == "redis", client=True, profiler=profiler)
                     points += asyncio.run(
                         drive_tokentrail(arm, stack.url, stack.user_key, meter, apis, loads, levels, args.duration)
                     )
@@ -125,7 +138,7 @@ def run(args: argparse.Namespace) -> list[Point]:
             else:
                 say("vllm serve...")
                 with vllm_serve(sub, model_dir, max(levels)) as (url, pid):
-                    meter = CpuMeter([Role("vllm_api", pid, "engine_core")], client=True)
+                    meter = CpuMeter([Role("vllm_api", pid, "engine_core")], client=True, profiler=profiler)
                     points += asyncio.run(drive_vllm_serve(url, meter, loads, levels, args.duration))
     return points
 
@@ -148,6 +161,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--readers", type=int, default=4, help="--ceiling: SSE readers per message")
     ap.add_argument("--prompt-build", action="store_true", help="time prompt builds after 1k / 8k / 32k tokens")
     ap.add_argument("--idle-streams", type=int, default=0, help="server memory per connected SSE reader (e.g. 5000)")
+    ap.add_argument("--profile", type=Path, help="py-spy each process over each window; summaries + raw stacks here")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--plot", type=Path, help="write a PNG of tokens/s and TTFT against concurrency (matplotlib)")
     ap.add_argument("--engine-child", action="store_true", help=argparse.SUPPRESS)

@@ -224,6 +224,7 @@ async def measure(
         for c in levels:
             point = _point(arm, api, workload, c)
             window = Window(duration)
+            meter.label = f"{point.name.replace('/', '-')}-{workload.kind}-{workload.stop}-c{c}"
             await closed_loop(point, window, c, workload, bound(point, window), key=api, meter=meter)
             points.append(point)
             s = summary(point)

@@ -147,7 +147,7 @@ async def closed_loop(
 
     reading = None
     if meter is not None:
-        meter.start()
+        meter.start(window.end - time.perf_counter())
         reading = asyncio.create_task(read_meter(meter))
     await asyncio.gather(*(client(k) for k in range(c)))
     point.wall_s = min(time.perf_counter(), window.end) - window.start

@@ -9,6 +9,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from benchmarks.pipeline.profile import Profiler
+from benchmarks.progress import say
+
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 MAX_ERROR_SAMPLES = 5
 
@@ -167,12 +170,27 @@ class CpuMeter:
     """CPU seconds per role over a window; ``services`` adds the local PostgreSQL and Redis servers
     (by command name), ``client`` this process (the benchmark's own clients)."""
 
-    def __init__(self, roles: Sequence[Role], *, services: bool = False, client: bool = False) -> None:
+    def __init__(
+        self, roles: Sequence[Role], *, services: bool = False, client: bool = False, profiler: Profiler | None = None
+    ) -> None:
         self.roles = list(roles)
         self.services = services
         self.client = client
+        self.profiler = profiler
+        self.label = "point"  # names the window's profile files (set per point)
         self._start: dict[str, float] = {}
         self._client0 = 0.0
+
+    def _targets(self) -> dict[str, int]:
+        """The processes to profile: each role's process, and its descendants under the children's name."""
+        children, _, _ = _proc_table()
+        out: dict[str, int] = {}
+        for role in self.roles:
+            out[role.name] = role.pid
+            if role.children:
+                for k, pid in enumerate(_descendants(children, role.pid)):
+                    out[f"{role.children}{k}"] = pid
+        return out
 
     def _read(self) -> dict[str, float]:
         children, times, names = _proc_table()
@@ -188,7 +206,10 @@ class CpuMeter:
             out["redis"] = sum(t for p, t in times.items() if names.get(p, "").startswith("redis-server"))
         return out
 
-    def start(self) -> None:
+    def start(self, duration_s: float = 0.0) -> None:
+        """Open the window; with a profiler, sample each process for ``duration_s``."""
+        if self.profiler is not None:
+            self.profiler.start(self.label, self._targets(), duration_s)
         self._start = self._read()
         self._client0 = time.process_time()
 
@@ -197,6 +218,9 @@ class CpuMeter:
         out = {k: v - self._start.get(k, 0.0) for k, v in now.items()}
         if self.client:
             out["client"] = time.process_time() - self._client0
+        if self.profiler is not None:
+            for line in self.profiler.stop(self.label):
+                say(line)
         return out
 
 

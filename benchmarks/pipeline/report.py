@@ -9,7 +9,7 @@ from typing import Any
 
 from benchmarks.pipeline.measure import Point, summary
 
-TOKENTRAIL_ARMS = ("embedded", "redis", "synthetic")
+TOKENTRAIL_ARMS = ("embedded", "one-process", "redis", "synthetic")
 CPU_KEYS = ("server", "worker", "engine_core", "vllm_api", "engine", "client")
 
 Key = tuple[str, str, str, int]  # workload, stop, api, concurrency
@@ -31,7 +31,7 @@ def _ratio(a: float | None, b: float | None, n: int = 3) -> float | None:
 
 def ratios(points: Sequence[Point]) -> list[dict[str, Any]]:
     """Per tokentrail point: ÷ the engine alone (same workload and stop), ÷ ``vllm serve`` (same api,
-    workload, stop), PostgreSQL + Redis ÷ embedded; server CPU per token against ``vllm serve``'s API
+    workload, stop), PostgreSQL + Redis and one process ÷ embedded; server CPU per token against ``vllm serve``'s API
     server; TTFT p50 per turn against ``vllm serve``'s."""
     by = _index(points)
     out = []
@@ -65,7 +65,7 @@ def ratios(points: Sequence[Point]) -> list[dict[str, Any]]:
                 row["server_plus_worker_cpu_x_vllm_api_cpu"] = _ratio(
                     s["server_cpu_ms_per_token"] + s.get("worker_cpu_ms_per_token", 0.0), api_cpu
                 )
-        if arm == "redis":
+        if arm in ("redis", "one-process"):
             embedded = by.get(("embedded", key))
             if embedded and embedded["tokens_per_s"]:
                 row["x_embedded"] = _ratio(s["tokens_per_s"], embedded["tokens_per_s"])

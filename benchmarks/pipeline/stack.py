@@ -1,5 +1,6 @@
 """The processes an arm runs in, each started fresh and stopped before the next arm starts: a tokentrail
-server and worker (embedded or on PostgreSQL + Redis), ``vllm serve``, the engine-alone child."""
+server and worker (embedded or on PostgreSQL + Redis), or one ``tokentrail serve --model`` process,
+``vllm serve``, the engine-alone child."""
 
 from __future__ import annotations
 
@@ -37,8 +38,10 @@ def tokentrail_stack(
     engine: str,
     env: dict[str, str] | None = None,
     worker_cmd: list[str] | None = None,
+    one_process: bool = False,
 ) -> Iterator[Stack]:
-    """A server process and a worker process (``worker_cmd``: another worker program)."""
+    """A server process and a worker process (``worker_cmd``: another worker program); ``one_process``:
+    ``tokentrail serve --model``, the worker inside the server's process (pids: the server only)."""
     from server.admin import issue_user_key, issue_worker_key
     from server.settings import ServerSettings
 
@@ -52,6 +55,14 @@ def tokentrail_stack(
     }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    # the engine's options, the same for a worker process and for serve --model
+    program, extra = None, None
+    model_args = ["--model", model_dir, "--served-model-name", MODEL, "--max-parallel", str(max_parallel),
+                  "--engine", engine]  # fmt: skip
+    if engine == "vllm":
+        program, extra = (vllm_python(), "-m", "tokentrail"), VLLM_ENV
+        model_args += ["--max-model-len", str(MAX_MODEL_LEN), "--gpu-memory-utilization", "0.2"]
+    load_s = 600 if engine == "vllm" else 180
     try:
         if "TOKENTRAIL_DATABASE_URL" in env:
             up = spawn(["db", "upgrade"], output=work / "upgrade.log")
@@ -61,26 +72,26 @@ def tokentrail_stack(
         user_key = issue_user_key(ServerSettings(migrate_on_start=True), "pipeline-bench")
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        server = spawn(["serve", "--port", str(port), "--log-level", "warning"], output=work / "server.log")
+        serve = ["serve", "--port", str(port), "--log-level", "warning"]
+        if one_process:
+            server = spawn([*serve, *model_args], program=program, output=work / "server.log", env=extra)
+        else:
+            server = spawn(serve, output=work / "server.log")
         procs = {"server": server}
         try:
-            wait_ready(lambda: answers(url), procs, "server", 180, logs=work)
+            wait_ready(lambda: answers(url), procs, "server", load_s if one_process else 180, logs=work)
             if worker_cmd is not None:
                 worker = spawn(["--server-url", url, "--api-key", key], program=worker_cmd, output=work / "worker.log")
-            else:
-                program, extra, args = None, None, []
-                if engine == "vllm":
-                    program, extra = (vllm_python(), "-m", "tokentrail"), VLLM_ENV
-                    args = ["--max-model-len", str(MAX_MODEL_LEN), "--gpu-memory-utilization", "0.2"]
+                procs["worker"] = worker
+            elif not one_process:
                 worker = spawn(
-                    ["worker", "--server-url", url, "--api-key", key, "--model", model_dir, "--served-model-name",
-                     MODEL, "--max-parallel", str(max_parallel), "--engine", engine, "--log-level", "warning", *args],
+                    ["worker", "--server-url", url, "--api-key", key, *model_args, "--log-level", "warning"],
                     program=program,
                     output=work / "worker.log",
                     env=extra,
-                )  # fmt: skip
-            procs["worker"] = worker
-            wait_ready(lambda: offers(url, [MODEL]), procs, "worker", 600 if engine == "vllm" else 180, logs=work)
+                )
+                procs["worker"] = worker
+            wait_ready(lambda: offers(url, [MODEL]), procs, "worker", load_s, logs=work)
             yield Stack(url, {name: p.pid for name, p in procs.items()}, user_key)
         finally:
             for name, p in reversed(procs.items()):

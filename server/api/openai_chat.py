@@ -9,6 +9,7 @@ messages gets prompts stitched from stored tokens. Errors use OpenAI's shape (``
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -39,6 +40,7 @@ from server.openai.streaming import SSE_DONE, Merge, error_chunk, event_stream, 
 from server.state import AppState
 from server.streams.protocol import StreamReset, TokenBatch
 from shared.api import MessageState, check_tools
+from shared.channels import Delta, ReplyStream
 from shared.errors import ErrorCode
 from shared.openai_api import (
     ChatCompletionRequest,
@@ -47,6 +49,14 @@ from shared.openai_api import (
 from shared.packing import unpack_ids
 
 router = APIRouter(tags=["openai"])
+log = logging.getLogger(__name__)
+
+
+def _add_text(delta: dict[str, Any], text: Delta) -> None:
+    if text.content:
+        delta["content"] = text.content
+    if text.reasoning:
+        delta["reasoning_content"] = delta["reasoning"] = text.reasoning
 
 
 @router.get("/v1/models")
@@ -213,33 +223,13 @@ class _ChatContext:
     async def choice_chunks(self, state: AppState, index: int, message_id: str) -> AsyncIterator[bytes]:
         progress = Progress()
         first = True
-        started = {"c": False, "r": False}
-        held = {"c": "", "r": ""}
-        streamed = ""
+        # The deltas add up to the stored message (DESIGN D19): held text comes out when it is sure.
+        reply = ReplyStream(self.req.stop_strings())
         prompt_sent = False
         async for item in follow(state, message_id, progress):
             if isinstance(item, TokenBatch):
-                channels = item.channels or "c" * len(item.token_ids)
-                parts = {"c": "", "r": ""}
-                for text, ch in zip(item.texts, channels, strict=True):
-                    if ch in parts:
-                        parts[ch] += text
                 delta: dict[str, Any] = {"role": "assistant"} if first else {}
-                for ch, piece in parts.items():
-                    # The parsed message is stripped: hold whitespace back until text follows it, so
-                    # that the deltas add up to the final content.
-                    text = held[ch] + piece if started[ch] else piece.lstrip()
-                    started[ch] = started[ch] or bool(text)
-                    body = text.rstrip()
-                    held[ch] = text[len(body) :]
-                    text = body
-                    if not text:
-                        continue
-                    if ch == "c":
-                        delta["content"] = text
-                        streamed += text
-                    else:
-                        delta["reasoning_content"] = delta["reasoning"] = text
+                _add_text(delta, reply.feed(item.texts, item.channels))
                 choice: dict[str, Any] = {
                     "index": index,
                     "delta": delta,
@@ -274,11 +264,15 @@ class _ChatContext:
                 calls = msg.tool_calls if self.with_tools else None
                 if calls:
                     delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
-                final, shown = msg.content or "", streamed.strip()
-                if final != shown and final.startswith(shown) and final[len(shown) :].strip():
-                    delta["content"] = final[len(shown) :]  # e.g. a malformed tool call kept as text
+                _add_text(delta, reply.finish(msg.content, msg.reasoning_content))
+                if reply.mismatch:
+                    log.warning("message %s: streamed %s differs from the stored one", msg.id, reply.mismatch)
                 prompt = unpack_ids(tokens.prompt_ids)
-                completion = len(unpack_ids(tokens.completion_ids))
+                stored_ids = unpack_ids(tokens.completion_ids)
+                completion = len(stored_ids)
+                # tokens the stream did not deliver (its Redis entries were lost with a restart) come
+                # here, so that the streamed token ids add up to the stored ones as the text does
+                missed = stored_ids[len(progress.token_ids) :]
                 if index == 0:
                     self.usage[0], self.usage[2] = len(prompt), tokens.num_cached_tokens or 0
                 self.usage[1] += completion
@@ -291,7 +285,7 @@ class _ChatContext:
                             "logprobs": None,
                             "finish_reason": finish_reason(msg) if self.with_tools else msg.finish_reason,
                             "stop_reason": stop_reason(tokens),
-                            "token_ids": [],
+                            "token_ids": missed,
                         }
                     ],
                     "tokentrail": self._info(item),

@@ -10,6 +10,7 @@ first chunk and the new ids in every chunk).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -41,11 +42,13 @@ from server.openai.streaming import SSE_DONE, Merge, error_chunk, event_stream, 
 from server.state import AppState
 from server.streams.protocol import StreamReset, TokenBatch
 from shared.api import MessageState
+from shared.channels import ReplyStream
 from shared.errors import ErrorCode
 from shared.openai_api import MAX_N, CompletionRequest, GenerateRequest
 from shared.packing import unpack_ids
 
 router = APIRouter(tags=["openai"])
+log = logging.getLogger(__name__)
 
 _MAX_CHOICES = 64  # prompts x n in one request
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for text completions
@@ -203,12 +206,14 @@ class _CompletionContext:
         progress = Progress()
         first = True
         offset = len(job.echo)
+        # The text deltas add up to the stored text (DESIGN D19): a stop string's start is held back.
+        reply = ReplyStream(self.req.stop_strings(), strip=False)
         async for item in follow(state, job.message_id, progress):
             if isinstance(item, TokenBatch):
                 text = "".join(item.texts)
                 choice: dict[str, Any] = {
                     "index": job.index,
-                    "text": (job.echo if first else "") + text,
+                    "text": (job.echo if first else "") + reply.feed(item.texts, "").content,
                     "logprobs": self._logprobs(item.token_ids, item.logprobs, item.texts, item.top_logprobs, offset),
                     "finish_reason": None,
                     "token_ids": item.token_ids,
@@ -229,9 +234,12 @@ class _CompletionContext:
                 if job.index % self.req.n == 0:
                     self.prompt_tokens[job.message_id] = len(prompt)
                 self.completion_tokens += len(unpack_ids(tokens.completion_ids))
+                rest = reply.finish(msg.content, None).content
+                if reply.mismatch:
+                    log.warning("message %s: streamed text differs from the stored one", msg.id)
                 end: dict[str, Any] = {
                     "index": job.index,
-                    "text": job.echo if first else "",
+                    "text": (job.echo if first else "") + rest,
                     "logprobs": None,
                     "finish_reason": msg.finish_reason,
                     "stop_reason": stop_reason(tokens),

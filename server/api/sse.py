@@ -18,8 +18,8 @@ from sse_starlette import ServerSentEvent
 
 from server.chats.follow import Waiting, follow
 from server.chats.repository import message_to_read
-from server.errors import is_unavailable
 from server.models import Message, MessageTokens
+from server.outages import is_unavailable
 from server.state import AppState
 from server.streams.protocol import StreamReset, TokenBatch
 from shared.api import FINISHED_STATES, MessageState

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import time
 
-from server.errors import is_unavailable
+from server.outages import is_unavailable
 from server.queue.protocol import WorkerDirectory
 from shared.api import ModelConfigRead
 

@@ -11,8 +11,9 @@ back.
 from __future__ import annotations
 
 from server.chats.path_cache import PendingWork
-from server.errors import ApiError, is_unavailable
+from server.errors import ApiError
 from server.models import Message
+from server.outages import is_unavailable
 from server.queue.protocol import QueueFull
 from server.state import AppState
 from shared.errors import ErrorCode

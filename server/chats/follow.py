@@ -7,6 +7,10 @@ rewound the stream, ``Waiting`` after each empty wait, and ``Ended`` last: the s
 entry, or the message ended in SQL (or was deleted) while its stream is absent (expired, lost with a
 Redis restart, or never written). The reader then finishes from SQL, which holds every stored token
 (``load``, or a dialect's own replay).
+
+The database going away does not end a follower (DESIGN D18): its occasional check is skipped while
+the database is unavailable, and the stream goes on from Redis. The message cannot end before the
+database is back (its record is stored first), and ``load`` waits a few seconds for it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 
 from server.chats.finished import Finished
 from server.models import Message, MessageTokens
+from server.outages import is_unavailable, until_available
 from server.state import AppState
 from server.streams.protocol import StreamDone, StreamReset, TokenBatch
 from shared.api import FINISHED_STATES
@@ -23,6 +28,7 @@ from shared.api import FINISHED_STATES
 # Empty waits between checks that the message has not ended unseen (a safety net for streams that
 # never end); rare enough that a long queue of readers costs SQL little.
 _DB_RECHECK_EVERY = 5
+_LOAD_WAIT_S = 10.0  # how long a finished message's read waits for the database that stored it
 
 
 @dataclass(frozen=True)
@@ -71,10 +77,15 @@ async def follow(
 
 
 async def load(state: AppState, message_id: str) -> Finished | None:
-    """The message as stored, detached from its session; None if it was deleted."""
+    """The message as stored, detached from its session; None if it was deleted. Waits a few seconds
+    for a database that went away right after storing it."""
     recent = state.hub.finished.get(message_id)
     if recent is not None:
         return recent
+    return await until_available(lambda: _read(state, message_id), f"reading {message_id}", within_s=_LOAD_WAIT_S)
+
+
+async def _read(state: AppState, message_id: str) -> Finished | None:
     async with state.sessions() as s:
         msg = await s.get(Message, message_id)
         if msg is None:
@@ -85,8 +96,14 @@ async def load(state: AppState, message_id: str) -> Finished | None:
 
 
 async def _ended_in_db(state: AppState, message_id: str) -> bool:
-    async with state.sessions() as s:
-        msg = await s.get(Message, message_id)
+    """Whether SQL has the message ended (or deleted); False while the database is unavailable."""
+    try:
+        async with state.sessions() as s:
+            msg = await s.get(Message, message_id)
+    except Exception as exc:
+        if not is_unavailable(exc):
+            raise
+        return False
     return msg is None or msg.state in FINISHED_STATES
 
 

@@ -17,6 +17,7 @@ from sqlalchemy.orm import aliased
 from server.chats.repository import decode_stop_reason, encode_stop_reason
 from server.db import SessionFactory
 from server.models import MESSAGE_IS_OPEN, MESSAGE_TOKENS, MESSAGES, Chat, Message, MessageTokens, utcnow
+from server.sql_lists import state_in
 from shared.api import FINISHED_STATES, MessageState, WorkParameters
 from shared.chain import chain_hash, normalized
 from shared.errors import ErrorCode
@@ -49,19 +50,19 @@ def reply_chain_hash(parent_chain: str | None, record: GenerationRecord) -> str 
 
 
 _OPEN_STATES = (MessageState.pending.value, MessageState.in_progress.value)
-_STORABLE_STATES = (*_OPEN_STATES, MessageState.cancelled.value)
+_STORABLE = state_in(MessageState.pending, MessageState.in_progress, MessageState.cancelled)
 
 
 # The statements of every turn, built once (compiled and cached once): Core, no ORM objects.
 _M = MESSAGES.c
 _START = (
     update(MESSAGES)
-    .where(_M.id == bindparam("b_id"), _M.attempt == bindparam("b_attempt"), _M.state.in_(_OPEN_STATES))
+    .where(_M.id == bindparam("b_id"), _M.attempt == bindparam("b_attempt"), MESSAGE_IS_OPEN)
     .values(state=MessageState.in_progress.value, worker_id=bindparam("b_worker_id"), modified_at=bindparam("b_now"))
 )
 _STORE = (
     update(MESSAGES)
-    .where(_M.id == bindparam("b_id"), _M.attempt == bindparam("b_attempt"), _M.state.in_(_STORABLE_STATES))
+    .where(_M.id == bindparam("b_id"), _M.attempt == bindparam("b_attempt"), _STORABLE)
     .values(
         # a cancelled message keeps its state and gets the tokens generated until the abort
         state=case(
@@ -150,16 +151,20 @@ class WorkStore:
             )
             return bool(res.rowcount)
 
-    async def next_attempt(self, message_id: str, attempt: int, *, failed: bool = False) -> int | None:
+    async def next_attempt(
+        self, message_id: str, attempt: int, *, failed: bool = False, engine_death: bool = False
+    ) -> int | None:
         """Fence off ``attempt`` and return the new attempt number, or None if it is already stale.
-        ``failed``: the attempt ended by its worker's fault, which counts toward ``max_attempts``."""
+        ``failed``: the attempt ended by its worker's fault, which counts toward ``max_attempts``;
+        ``engine_death``: its worker's engine died while generating it (counted in ``engine_deaths``)."""
         async with self.sessions() as s:
             res = await s.execute(
                 update(Message)
-                .where(Message.id == message_id, Message.attempt == attempt, Message.state.in_(_OPEN_STATES))
+                .where(Message.id == message_id, Message.attempt == attempt, MESSAGE_IS_OPEN)
                 .values(
                     attempt=attempt + 1,
                     failures=Message.failures + int(failed),
+                    engine_deaths=Message.engine_deaths + int(engine_death),
                     state=MessageState.pending.value,
                     worker_id=None,
                     modified_at=utcnow(),
@@ -167,6 +172,10 @@ class WorkStore:
             )
             await s.commit()
             return attempt + 1 if res.rowcount else None  # type: ignore[attr-defined]
+
+    async def engine_deaths(self, message_id: str) -> int:
+        async with self.sessions() as s:
+            return int(await s.scalar(select(Message.engine_deaths).where(Message.id == message_id)) or 0)
 
     async def open_before(self, cutoff: datetime, limit: int = 1000) -> list[Message]:
         """Pending and in-progress messages last changed before ``cutoff`` (the partial index)."""
@@ -200,6 +209,12 @@ class WorkStore:
             await s.commit()
             return before if res.rowcount else None  # type: ignore[attr-defined]
 
+    async def completed_at(self, message_id: str, attempt: int) -> bool:
+        """Whether the message is complete with the record of ``attempt``."""
+        async with self.sessions() as s:
+            state = await s.scalar(select(Message.state).where(Message.id == message_id, Message.attempt == attempt))
+        return state == MessageState.complete.value
+
     async def is_cancelled_or_deleted(self, message_id: str) -> bool:
         """Cancelled, or deleted with its chat: either way its readers get the cancelled end."""
         async with self.sessions() as s:
@@ -222,7 +237,7 @@ class WorkStore:
 
     async def fail(self, message_id: str, attempt: int | None, code: ErrorCode | str, error: str) -> bool:
         async with self.sessions() as s:
-            q = update(Message).where(Message.id == message_id, Message.state.in_(_OPEN_STATES))
+            q = update(Message).where(Message.id == message_id, MESSAGE_IS_OPEN)
             if attempt is not None:
                 q = q.where(Message.attempt == attempt)
             res = await s.execute(

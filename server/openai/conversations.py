@@ -16,6 +16,7 @@ messages to generate. The worker then stitches the prompt from the stored tokens
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from server.chats.repository import message_row, pending_assistant
 from server.errors import ApiError
 from server.models import CHATS, MESSAGES, Chat, Message, new_id, utcnow
+from server.sql_lists import in_list, list_param, state_in
 from shared.api import MAX_CONTENT_CHARS, MAX_TOOL_ARGUMENTS_CHARS, MessageState, SamplingParameters, WorkParameters
 from shared.chain import (
     MessageFormatError,
@@ -41,7 +43,7 @@ from shared.errors import ErrorCode
 
 _REASONING_FIELDS = ("reasoning_content", "reasoning", "reasoning_text", "thinking")
 _TREE_ROLE = {"user": "prompter", "assistant": "assistant", "tool": "tool"}
-_MATCHABLE = (MessageState.manual.value, MessageState.complete.value)
+_MATCHABLE = (MessageState.manual, MessageState.complete)
 
 
 @dataclass
@@ -157,12 +159,30 @@ def seed_for(
 
 
 _M, _C = MESSAGES.c, CHATS.c
-# Built once, so that each is compiled and cached once: every chat request runs them.
-_MATCHES = select(_M.id, _M.chat_id, _M.chain_hash, _M.role, _M.tool_calls).where(
-    _M.chain_hash.in_(bindparam("hashes", expanding=True)), _M.state.in_(_MATCHABLE)
-)
-_MATCHES_IN_CHAT = _MATCHES.where(_M.chat_id == bindparam("chat_id"))
-_OWNED = select(_C.id).where(_C.id.in_(bindparam("chat_ids", expanding=True)), _C.user_id == bindparam("user_id"))
+
+
+@dataclass(frozen=True)
+class _Lookups:
+    """The statements that take a list (chain hashes, chat ids), in the database's dialect."""
+
+    dialect: str
+    matches: Any
+    matches_in_chat: Any
+    owned: Any
+
+
+@functools.cache
+def _lookups(dialect: str) -> _Lookups:
+    # Built once per dialect, so that each is compiled and cached once: every chat request runs them.
+    matches = select(_M.id, _M.chat_id, _M.chain_hash, _M.role, _M.tool_calls).where(
+        in_list(_M.chain_hash, "hashes", dialect), state_in(*_MATCHABLE)
+    )
+    owned = select(_C.id).where(in_list(_C.id, "chat_ids", dialect), _C.user_id == bindparam("user_id"))
+    # "|| ''" keeps the planner on the chain-hash index (a few rows) rather than the chat's messages (all of them)
+    in_chat = matches.where((_M.chat_id + "") == bindparam("chat_id"))
+    return _Lookups(dialect, matches, in_chat, owned)
+
+
 _HAS_CHILD = select(_M.id).where(_M.chat_id == bindparam("chat_id"), _M.parent_id == bindparam("parent_id")).limit(1)
 _HAS_ROOT = select(_M.id).where(_M.chat_id == bindparam("chat_id"), _M.parent_id.is_(None)).limit(1)
 _INSERT_CHAT = insert(CHATS)
@@ -189,6 +209,9 @@ class ConversationStore:
         self.session = session
         self.user_id = user_id
 
+    async def _lookups(self) -> _Lookups:
+        return _lookups((await self.session.connection()).dialect.name)
+
     async def _rows(self, stmt: Any, params: dict[str, Any]) -> list[Any]:
         conn = await self.session.connection()
         return list((await conn.execute(stmt, params)).all())
@@ -199,16 +222,16 @@ class ConversationStore:
             return None, 0
         # By hash alone, so that the planner probes the chain-hash index (joined to chats it may scan
         # the user's chats instead, which grows with them); ownership is checked on the few hits.
+        sql = await self._lookups()
+        listed = list_param(hashes, sql.dialect)
         if chat_id is None:
-            hits = await self._rows(_MATCHES, {"hashes": hashes})
+            hits = await self._rows(sql.matches, {"hashes": listed})
         else:
-            hits = await self._rows(_MATCHES_IN_CHAT, {"hashes": hashes, "chat_id": chat_id})
+            hits = await self._rows(sql.matches_in_chat, {"hashes": listed, "chat_id": chat_id})
         if not hits:
             return None, 0
-        owned = {
-            r.id
-            for r in await self._rows(_OWNED, {"chat_ids": list({h.chat_id for h in hits}), "user_id": self.user_id})
-        }
+        chat_ids = list_param(list({h.chat_id for h in hits}), sql.dialect)
+        owned = {r.id for r in await self._rows(sql.owned, {"chat_ids": chat_ids, "user_id": self.user_id})}
         rows = [h for h in hits if h.chat_id in owned]
         if not rows:
             return None, 0
@@ -221,7 +244,8 @@ class ConversationStore:
         return _Match(best.id, best.chat_id, best.role, calls), position[best.chain_hash or ""] + 1
 
     async def _owned_chat(self, chat_id: str) -> str:
-        if not await self._rows(_OWNED, {"chat_ids": [chat_id], "user_id": self.user_id}):
+        sql = await self._lookups()
+        if not await self._rows(sql.owned, {"chat_ids": list_param([chat_id], sql.dialect), "user_id": self.user_id}):
             raise ApiError(ErrorCode.chat_not_found, f"conversation {chat_id} not found", param="conversation_id")
         return chat_id
 

@@ -1,10 +1,15 @@
 """OpenAI's server-sent events: chunks framed as ``data:`` lines ending with ``[DONE]``, the chunk
-streams of n choices interleaved as they come, and the streaming response (counted as an SSE reader)."""
+streams of n choices interleaved as they come, and the streaming response (counted as an SSE reader).
+
+A stream that fails after its 200 went out ends with an error chunk in OpenAI's shape and ``[DONE]``,
+never a broken connection: ``not_ready`` when the database or Redis went away (the request may be
+retried; its message is generated and stored all the same), ``internal_error`` for a bug."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,6 +19,10 @@ from fastapi.responses import StreamingResponse
 from server.metrics import Metrics
 from server.models import Message
 from server.openai.render import failure
+from server.outages import is_unavailable
+from shared.errors import ErrorCode
+
+log = logging.getLogger(__name__)
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -38,12 +47,14 @@ class Merge:
             async for chunk in self.sources[0]:
                 yield chunk
             return
-        queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        queue: asyncio.Queue[bytes | Exception | None] = asyncio.Queue()
 
         async def pump(source: AsyncIterator[bytes]) -> None:
             try:
                 async for chunk in source:
                     await queue.put(chunk)
+            except Exception as exc:  # the response ends with it (``event_stream``), as with one choice
+                await queue.put(exc)
             finally:
                 await queue.put(None)
 
@@ -54,6 +65,8 @@ class Merge:
                 item = await queue.get()
                 if item is None:
                     left -= 1
+                elif isinstance(item, Exception):
+                    raise item
                 else:
                     yield item
         finally:
@@ -72,5 +85,21 @@ def event_stream(chunks: AsyncIterator[bytes], metrics: Metrics) -> StreamingRes
 
 async def _counted(chunks: AsyncIterator[bytes], metrics: Metrics) -> AsyncIterator[bytes]:
     with metrics.sse_reader():
-        async for chunk in chunks:
-            yield chunk
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except Exception as exc:
+            yield failure_chunk(exc)
+            yield SSE_DONE
+
+
+def failure_chunk(exc: Exception) -> bytes:
+    """The error chunk that ends a stream which failed after its 200 went out."""
+    if is_unavailable(exc):
+        log.warning("a stream ends early: a backing service is unavailable: %r", exc)
+        message = "a backing service (database or Redis) is unavailable; retry shortly"
+        code = ErrorCode.not_ready
+    else:
+        log.exception("a stream failed", exc_info=exc)
+        message, code = "internal error", ErrorCode.internal_error
+    return sse({"error": {"message": message, "type": "server_error", "param": None, "code": code.value}})

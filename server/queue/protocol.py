@@ -46,6 +46,10 @@ class WorkerEntry:
     last_seen: float = 0.0  # wall-clock time of its last frame (as of its last heartbeat)
     key_id: str = ""  # the worker key it connected with (revoking that key disconnects it)
     key_name: str = ""
+    engine_state: str = "ready"  # ready | restarting | failed (worker.engine_health)
+    engine_deaths: int = 0  # since the worker started
+    engine_restarts: int = 0
+    served: int = 0  # replies this connection finished and stored (as of its last heartbeat)
 
 
 class WorkQueue(Protocol):

@@ -10,7 +10,7 @@ Redis 7.0 commands only.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import Any
 
 import orjson
@@ -31,6 +31,8 @@ from server.constants import (
 from server.queue.protocol import QueueFull, WorkerEntry, WorkItem
 
 # Check size, add, take a ticket: atomic so concurrent servers never overfill the queue.
+_ENTRY_FIELDS = {f.name for f in fields(WorkerEntry)}
+
 _ENQUEUE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[5], '0', 'MKSTREAM')
@@ -296,7 +298,8 @@ class RedisWorkerDirectory:
         for worker_id, value in raw.items():
             data = orjson.loads(value)
             if data.pop("expires_at") > now:
-                entries.append(WorkerEntry(**data))
+                # fields a newer replica added are left out (rolling upgrades)
+                entries.append(WorkerEntry(**{k: v for k, v in data.items() if k in _ENTRY_FIELDS}))
             else:
                 # Delete only if unchanged: another server may have just refreshed it.
                 await self._forget(keys=[WORKER_DIRECTORY], args=[worker_id, value])

@@ -1,16 +1,15 @@
-"""One connected worker as the hub sees it: its hello, credits, the work it holds, its pending
-tokenizer calls; how its id is minted; and how a connection is refused or its key checked."""
+"""One connected worker as the hub sees it: its hello, its link, credits, the work it holds, its pending
+tokenizer calls; how its id is minted; and how its key is checked."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import WebSocket
+from fastapi import WebSocketDisconnect
 from sqlalchemy import select
 
 from server.auth import hash_key
@@ -18,24 +17,22 @@ from server.db import SessionFactory
 from server.metrics import StreamTimer
 from server.models import WorkerKey
 from server.queue.protocol import WorkerEntry, WorkItem
+from server.workers.links import WorkerLink
 from server.workers.work_source import Work
-from shared.errors import ErrorCode
-from shared.protocol import (
-    FEATURE_RPC,
-    CancelFrame,
-    ErrorFrame,
-    HeartbeatFrame,
-    HelloFrame,
-    RpcFrame,
-    WelcomeFrame,
-    WorkFrame,
-)
+from shared.local_link import LinkClosed
+from shared.protocol import FEATURE_RPC, HelloFrame, ServerFrame
 
 CLOSE_INVALID_KEY = 4401
 CLOSE_PROTOCOL = 4426
 CLOSE_BAD_FRAME = 4400
 
 REVOKED = "the worker key was revoked"
+
+
+class WorkerGone(Exception):
+    """The worker's socket failed: its session ends and recovery requeues what it held. Raised only
+    by ``WorkerConnection.send``, so that no other fault (the database's own ``ConnectionError``s)
+    can pass for a worker going away."""
 
 
 @dataclass
@@ -45,13 +42,14 @@ class InFlight:
     work: Work | None = None  # what was sent, once dispatched
     streamed: list[int] = field(default_factory=list)  # token ids readers have seen (resumed ones too)
     timer: StreamTimer | None = None  # latency metrics, from dispatch on
+    storing: bool = False  # its finished record is held until the database takes it
 
 
 @dataclass
 class WorkerConnection:
     id: str
     hello: HelloFrame
-    ws: WebSocket
+    link: WorkerLink  # its websocket, or the in-process link of ``tokentrail serve --model``
     credits: int = 0
     credit_event: asyncio.Event = field(default_factory=asyncio.Event)
     inflight: dict[str, InFlight] = field(default_factory=dict)
@@ -60,12 +58,17 @@ class WorkerConnection:
     calls: dict[str, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)  # rpc id -> answer
     draining: bool = False  # the worker is shutting down: no more work for it
     key: WorkerKey | None = None  # the key it connected with
+    engine_state: str = "ready"  # its engine's, from engine frames: no work while not "ready"
+    engine_deaths: int = 0
+    engine_restarts: int = 0
+    served: int = 0  # replies finished and stored
 
-    async def send(
-        self, frame: WorkFrame | HeartbeatFrame | WelcomeFrame | ErrorFrame | RpcFrame | CancelFrame
-    ) -> None:
+    async def send(self, frame: ServerFrame) -> None:
         async with self.send_lock:
-            await self.ws.send_text(frame.model_dump_json())
+            try:
+                await self.link.send(frame)
+            except (LinkClosed, WebSocketDisconnect, RuntimeError, OSError) as exc:
+                raise WorkerGone(f"worker {self.id}: {exc!r}") from exc
 
     def entry(self, server_id: str) -> WorkerEntry:
         h = self.hello
@@ -82,6 +85,10 @@ class WorkerConnection:
             last_seen=time.time() - (time.monotonic() - self.last_seen),
             key_id=self.key.id if self.key else "",
             key_name=self.key.name if self.key else "",
+            engine_state=self.engine_state,
+            engine_deaths=self.engine_deaths,
+            engine_restarts=self.engine_restarts,
+            served=self.served,
         )
 
     @property
@@ -103,12 +110,6 @@ def server_of(worker_id: str) -> str:
 def bearer(header: str) -> str | None:
     scheme, _, token = header.partition(" ")
     return token.strip() or None if scheme.lower() == "bearer" else None
-
-
-async def refuse(ws: WebSocket, code: ErrorCode, message: str, close_code: int) -> None:
-    with contextlib.suppress(Exception):
-        await ws.send_text(ErrorFrame(code=code.value, message=message).model_dump_json())
-        await ws.close(code=close_code)
 
 
 async def worker_key(sessions: SessionFactory, key: str) -> WorkerKey | None:

@@ -5,12 +5,18 @@ worker has credits, and send heartbeats (which also keep the worker's directory 
 queue items alive). When a worker goes away, ``Recovery`` fences each message it held with a new
 attempt and requeues it; tokens it already streamed stay in the message's token stream and the next
 worker resumes after them, so readers see one continuous stream.
+
+The database or Redis going away is not the worker going away (DESIGN D18): only a failed send on
+the socket (``WorkerGone``) or a receive that ends does that. Work whose dispatch needs the database
+waits for it, holding its credit; a finished record the database cannot take yet is held and stored
+once it is back; a failure report is settled likewise. Tokens keep streaming through Redis meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 import time
@@ -23,6 +29,8 @@ from server.chats.path_cache import PathCache
 from server.chats.work_store import WorkStore, reply_chain_hash
 from server.db import SessionFactory
 from server.metrics import Metrics, StreamTimer, seconds_since
+from server.models import WorkerKey
+from server.outages import is_unavailable, until_available
 from server.queue.protocol import WorkerDirectory, WorkQueue
 from server.settings import ServerSettings
 from server.streams.protocol import StreamConflict, StreamDone, TokenBatch, TokenStreams
@@ -33,25 +41,30 @@ from server.workers.connection import (
     REVOKED,
     InFlight,
     WorkerConnection,
+    WorkerGone,
     bearer,
     key_revoked,
     new_worker_id,
-    refuse,
     worker_key,
 )
+from server.workers.engine_health import EngineHealth
 from server.workers.ingest import record_problem, record_without_nul, token_batch
+from server.workers.links import LocalLink, SocketLink, WorkerLink
 from server.workers.recovery import Recovery
 from server.workers.rpc import RpcFailed, RpcUnavailable, WorkerRpc
 from server.workers.work_source import WorkSource
 from shared.api import MessageState
 from shared.errors import ErrorCode
+from shared.local_link import LinkClosed, ServerEnd, WorkerEnd, worker_link
 from shared.protocol import (
     FEATURE_BATCH,
     FEATURE_DRAIN,
+    FEATURE_ENGINE,
     FEATURE_UNSEEDED,
     PROTOCOL_VERSION,
     CreditFrame,
     DrainFrame,
+    EngineFrame,
     FailedFrame,
     FinishedFrame,
     HeartbeatFrame,
@@ -61,11 +74,12 @@ from shared.protocol import (
     TokensFrame,
     WelcomeFrame,
     WorkerFrame,
-    worker_batch_adapter,
-    worker_frame_adapter,
 )
 
 log = logging.getLogger(__name__)
+
+CLOSE_TRY_AGAIN = 1013  # RFC 6455 "try again later": the database is away, the worker reconnects
+KEY_WAIT_S = 20.0  # how long a connecting worker's key check waits for the database
 
 
 class WorkerHub:
@@ -90,10 +104,14 @@ class WorkerHub:
         self.finished = RecentlyFinished()  # replies stored here a moment ago, for their readers
         self.connections: dict[str, WorkerConnection] = {}
         self.server_id = secrets.token_hex(4)
+        self._local_sessions: set[asyncio.Task[None]] = set()  # sessions of in-process workers
         self.rpc = WorkerRpc(self.connections, directory, self.server_id)
         self.recovery = Recovery(
             settings, self.store, queue, directory, streams, self.metrics, self.connections, self.server_id
         )
+        self.engines = EngineHealth(settings, self.recovery, directory, metrics, self.connections, self.server_id)
+        self._settling: set[asyncio.Task[None]] = set()  # ends of work waiting for the database
+        self._known_keys: dict[str, WorkerKey] = {}  # worker keys seen valid here, for database outages
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -103,47 +121,88 @@ class WorkerHub:
     async def stop(self) -> None:
         await self.rpc.stop()
         await self.recovery.stop()
+        for task in list(self._settling):  # their messages are requeued by the sweep of a live process
+            task.cancel()
         for conn in list(self.connections.values()):
             with contextlib.suppress(Exception):
-                await conn.ws.close(code=1001)
+                await conn.link.close(1001)
+        for task in list(self._local_sessions):  # their recovery (requeueing) runs to its end
+            with contextlib.suppress(Exception):
+                await task
 
     # ---- connection ------------------------------------------------------------------------
     async def serve(self, ws: WebSocket) -> None:
+        """A worker's websocket: its key is checked, then the session runs over it."""
         await ws.accept()
+        link = SocketLink(ws)
         key = bearer(ws.headers.get("authorization", ""))
-        wkey = await worker_key(self.sessions, key) if key else None
-        if wkey is None:
-            await refuse(ws, ErrorCode.invalid_worker_key, "unknown or revoked worker key", CLOSE_INVALID_KEY)
-            return
         try:
-            raw = await asyncio.wait_for(ws.receive_text(), timeout=30)
-            hello = worker_frame_adapter.validate_json(raw)
-        except (TimeoutError, ValidationError, WebSocketDisconnect) as exc:
-            await refuse(ws, ErrorCode.bad_frame, f"expected a hello frame: {exc}", CLOSE_BAD_FRAME)
+            wkey = await self._admit_key(key) if key else None
+        except Exception as exc:
+            if not is_unavailable(exc):
+                raise
+            msg = "the database is unavailable; reconnect shortly"
+            await link.refuse(ErrorCode.not_ready, msg, CLOSE_TRY_AGAIN)
+            return
+        if wkey is None:
+            await link.refuse(ErrorCode.invalid_worker_key, "unknown or revoked worker key", CLOSE_INVALID_KEY)
+            return
+        await self.session(link, wkey)
+
+    def connect_local(self) -> WorkerEnd:
+        """A new in-process link (``tokentrail serve --model``): the worker's end is returned, and the
+        session runs over the server's end like any other, without a key (the worker is this process)."""
+        server_end, worker_end = worker_link()
+        task = asyncio.get_running_loop().create_task(self._local_session(server_end))
+        self._local_sessions.add(task)
+        task.add_done_callback(self._local_sessions.discard)
+        return worker_end
+
+    async def _local_session(self, end: ServerEnd) -> None:
+        try:
+            await self.session(LocalLink(end), None)
+        finally:  # as a websocket is closed when its handler returns: the worker sees the session end
+            end.close(1000, "session ended")
+
+    async def session(self, link: WorkerLink, wkey: WorkerKey | None) -> None:
+        """One worker's session, from its hello until it goes away (then its work is recovered)."""
+        try:
+            hello = await asyncio.wait_for(link.receive(), timeout=30)
+        except (TimeoutError, ValidationError, LinkClosed) as exc:
+            await link.refuse(ErrorCode.bad_frame, f"expected a hello frame: {exc}", CLOSE_BAD_FRAME)
             return
         if not isinstance(hello, HelloFrame):
-            await refuse(ws, ErrorCode.bad_frame, "the first frame must be hello", CLOSE_BAD_FRAME)
+            await link.refuse(ErrorCode.bad_frame, "the first frame must be hello", CLOSE_BAD_FRAME)
             return
         if hello.protocol_version != PROTOCOL_VERSION:
-            await refuse(
-                ws,
+            await link.refuse(
                 ErrorCode.protocol_version_mismatch,
                 f"server speaks protocol {PROTOCOL_VERSION}, worker {hello.protocol_version}",
                 CLOSE_PROTOCOL,
             )
             return
-        conn = WorkerConnection(id=new_worker_id(self.server_id), hello=hello, ws=ws, key=wkey)
+        conn = WorkerConnection(
+            id=new_worker_id(self.server_id),
+            hello=hello,
+            link=link,
+            key=wkey,
+            engine_deaths=hello.engine_deaths,
+            engine_restarts=hello.engine_restarts,
+        )
         if hello.released:
             await self._take_released(hello)
         self.connections[conn.id] = conn
-        await self.directory.register(conn.entry(self.server_id), ttl_s=self.settings.worker_timeout_s)
         log.info("worker %s connected: model=%s capacity=%d", conn.id, hello.model_name, hello.capacity)
         try:
+            try:
+                await self.directory.register(conn.entry(self.server_id), ttl_s=self.settings.worker_timeout_s)
+            except Exception as exc:  # Redis away: the first heartbeat registers it
+                log.warning("could not register worker %s yet: %s", conn.id, exc)
             await conn.send(
                 WelcomeFrame(
                     worker_id=conn.id,
                     heartbeat_interval_s=self.settings.worker_heartbeat_interval_s,
-                    features=[FEATURE_BATCH, FEATURE_DRAIN],
+                    features=[FEATURE_BATCH, FEATURE_DRAIN, FEATURE_ENGINE],
                 )
             )
             async with asyncio.TaskGroup() as tg:
@@ -153,7 +212,7 @@ class WorkerHub:
                 await recv  # returns when the worker goes away
                 disp.cancel()
                 beat.cancel()
-        except* (WebSocketDisconnect, RuntimeError, ConnectionError) as eg:
+        except* (WebSocketDisconnect, WorkerGone, LinkClosed, RuntimeError) as eg:
             log.info("worker %s disconnected: %s", conn.id, eg.exceptions[0])
         except* Exception as eg:  # a bug, not a transient fault (those are retried in the loops)
             log.error("worker %s session failed", conn.id, exc_info=eg.exceptions[0])
@@ -167,6 +226,25 @@ class WorkerHub:
             except Exception as exc:  # the entry expires on its own
                 log.warning("could not unregister worker %s: %s", conn.id, exc)
             await asyncio.shield(self.recovery.recover_all(conn))
+
+    async def _admit_key(self, key: str) -> WorkerKey | None:
+        """The worker key, if valid. While the database is away, a key this process saw valid is let in
+        at once (its revocation is seen at the next heartbeat's key check); another waits for the
+        database for up to ``KEY_WAIT_S`` (the worker waits 30 s for its welcome), so that a worker
+        (re)started during an outage is serving within a second of the database's return, not after
+        its reconnect backoff."""
+        try:
+            wkey = await worker_key(self.sessions, key)
+        except Exception as exc:
+            if not is_unavailable(exc):
+                raise
+            if key in self._known_keys:
+                return self._known_keys[key]
+            step = functools.partial(worker_key, self.sessions, key)
+            wkey = await until_available(step, "checking a worker's key", within_s=KEY_WAIT_S)
+        if wkey is not None and len(self._known_keys) < 10_000:
+            self._known_keys[key] = wkey
+        return wkey
 
     async def _take_released(self, hello: HelloFrame) -> None:
         """Requeue work a reconnecting worker lost with its previous server (which may be dead and
@@ -186,7 +264,7 @@ class WorkerHub:
         closed = 0
         for conn in list(self.connections.values()):
             if conn.key is not None and conn.key.id == key_id:
-                await refuse(conn.ws, ErrorCode.invalid_worker_key, REVOKED, CLOSE_INVALID_KEY)
+                await conn.link.refuse(ErrorCode.invalid_worker_key, REVOKED, CLOSE_INVALID_KEY)
                 closed += 1
         return closed
 
@@ -201,26 +279,22 @@ class WorkerHub:
     async def _receive(self, conn: WorkerConnection) -> None:
         while True:
             try:
-                raw = await asyncio.wait_for(conn.ws.receive_text(), timeout=self.settings.worker_timeout_s)
+                got = await asyncio.wait_for(conn.link.receive(), timeout=self.settings.worker_timeout_s)
             except TimeoutError:
                 log.warning("worker %s silent for %.0fs: dropping it", conn.id, self.settings.worker_timeout_s)
                 with contextlib.suppress(Exception):
-                    await conn.ws.close(code=1011)
+                    await conn.link.close(1011)
                 return
-            except WebSocketDisconnect:
+            except LinkClosed:
                 return
-            conn.last_seen = time.monotonic()
-            try:
-                # a JSON array: the frames of one engine step (FEATURE_BATCH), tokens appended at once
-                frames = worker_batch_adapter.validate_json(raw) if raw.startswith("[") else None
-                frame = worker_frame_adapter.validate_json(raw) if frames is None else None
             except ValidationError as exc:
                 log.warning("worker %s sent a bad frame: %s", conn.id, exc)
                 continue
-            if frames is not None:
-                await self._on_batch(conn, frames)
-            elif frame is not None:
-                await self._on_frame(conn, frame)
+            conn.last_seen = time.monotonic()
+            if isinstance(got, list):  # the frames of one engine step (FEATURE_BATCH), tokens appended at once
+                await self._on_batch(conn, got)
+            else:
+                await self._on_frame(conn, got)
 
     async def _on_batch(self, conn: WorkerConnection, frames: list[WorkerFrame]) -> None:
         tokens = [f for f in frames if isinstance(f, TokensFrame)]
@@ -235,13 +309,15 @@ class WorkerHub:
 
     async def _on_frame(self, conn: WorkerConnection, frame: WorkerFrame) -> None:
         if isinstance(frame, CreditFrame):
-            if not conn.draining:
+            if not conn.draining and conn.engine_state == "ready":
                 conn.credits += frame.credits
                 conn.credit_event.set()
         elif isinstance(frame, DrainFrame):
             log.info("worker %s is draining (%d messages in hand)", conn.id, len(conn.inflight))
             conn.draining = True
             conn.credits = 0
+        elif isinstance(frame, EngineFrame):
+            await self.engines.on_frame(conn, frame)
         elif isinstance(frame, TokensFrame | FinishedFrame | FailedFrame):
             await self._handle(conn, frame)
         elif isinstance(frame, RpcResultFrame):
@@ -255,7 +331,8 @@ class WorkerHub:
     async def _handle(self, conn: WorkerConnection, frame: TokensFrame | FinishedFrame | FailedFrame) -> None:
         """One message frame. A transient failure (Redis or the database briefly away) costs that
         frame, never the session: tokens not appended are appended from the finished record (the
-        stream position does not advance), and a message whose end could not be stored is requeued."""
+        stream position does not advance); a message's end that needs the database waits for it in the
+        background (``_settle``); after any other failure the message is requeued."""
         try:
             if isinstance(frame, TokensFrame):
                 await self._on_tokens_many(conn, [frame])
@@ -264,22 +341,61 @@ class WorkerHub:
             else:
                 await self._on_failed(conn, frame)
         except Exception as exc:
+            if isinstance(frame, FinishedFrame | FailedFrame) and is_unavailable(exc):
+                self._settle(conn, frame)
+                return
             log.warning("worker %s: handling %s of %s failed: %s", conn.id, frame.type, frame.message_id, exc)
             if isinstance(frame, FinishedFrame | FailedFrame):
-                inflight = conn.inflight.pop(frame.message_id, None)
-                if inflight is not None:
-                    with contextlib.suppress(Exception):  # else the reaper reclaims it
-                        await self.recovery.requeue(inflight.item, failed=True)  # bounded: it may be the record
+                await self._requeue_lost_end(conn, frame.message_id)
+
+    async def _requeue_lost_end(self, conn: WorkerConnection, message_id: str) -> None:
+        inflight = conn.inflight.pop(message_id, None)
+        if inflight is not None:
+            await self.recovery.requeue_when_back(inflight.item, failed=True)  # bounded: it may be the record
+
+    def _settle(self, conn: WorkerConnection, frame: FinishedFrame | FailedFrame) -> None:
+        """Handle a message's end again, until the database takes it (retried at least every second).
+        The message stays in the connection's hand meanwhile: heartbeats keep its queue entry claimed,
+        the sweep leaves it alone, and the session goes on serving."""
+        inflight = conn.inflight.get(frame.message_id)
+        if inflight is None or inflight.item.attempt != frame.attempt or inflight.storing:
+            return
+        inflight.storing = True  # recovery leaves it to this task if the worker goes away meanwhile
+        log.warning("worker %s: the end of %s waits for the database", conn.id, frame.message_id)
+
+        async def again() -> None:
+            if isinstance(frame, FinishedFrame):
+                await self._on_finished(conn, frame)
+            else:
+                await self._on_failed(conn, frame)
+
+        async def settle() -> None:
+            try:
+                await until_available(again, f"storing the end of {frame.message_id}")
+            except Exception as exc:
+                log.warning("worker %s: handling %s of %s failed: %s", conn.id, frame.type, frame.message_id, exc)
+                await self._requeue_lost_end(conn, frame.message_id)
+            finally:
+                inflight.storing = False
+
+        task = asyncio.create_task(settle(), name=f"settle-{frame.message_id}")
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
 
     async def _heartbeat(self, conn: WorkerConnection) -> None:
         while True:
             await asyncio.sleep(self.settings.worker_heartbeat_interval_s)
             await conn.send(HeartbeatFrame())
             try:
-                if await key_revoked(self.sessions, conn):
-                    log.warning("worker %s: its key was revoked; closing", conn.id)
-                    await refuse(conn.ws, ErrorCode.invalid_worker_key, REVOKED, CLOSE_INVALID_KEY)
-                    return
+                revoked = await key_revoked(self.sessions, conn)
+            except Exception as exc:  # the database away: checked again at the next beat
+                log.debug("worker %s: key check failed: %s", conn.id, exc)
+                revoked = False
+            if revoked:
+                log.warning("worker %s: its key was revoked; closing", conn.id)
+                await conn.link.refuse(ErrorCode.invalid_worker_key, REVOKED, CLOSE_INVALID_KEY)
+                return
+            try:  # apart from the key check: work in hand stays claimed while the database is away
                 await self.directory.register(conn.entry(self.server_id), ttl_s=self.settings.worker_timeout_s)
                 if conn.inflight:
                     await self.queue.touch([f.item for f in conn.inflight.values()], conn.id)
@@ -324,7 +440,8 @@ class WorkerHub:
                 continue
             for item in items:
                 if item.message_id in conn.inflight:  # a duplicate delivery of work we hold
-                    await self.queue.ack(item)
+                    with contextlib.suppress(Exception):  # unacked, the reaper finds it held here
+                        await self.queue.ack(item)
                     continue
                 # Registered before any await, so that recovery sees it if the worker drops now.
                 conn.inflight[item.message_id] = InFlight(item, next_index=0)
@@ -334,14 +451,17 @@ class WorkerHub:
                 if inflight is None or inflight.item is not item:
                     continue
                 try:
-                    sent = await self._dispatch(conn, inflight)
-                except (WebSocketDisconnect, RuntimeError, ConnectionError):
+                    # the database away: wait for it, holding the item (heartbeats keep it claimed)
+                    sent = await until_available(
+                        functools.partial(self._dispatch, conn, inflight),
+                        f"worker {conn.id}: dispatching {item.message_id}",
+                    )
+                except WorkerGone:
                     raise  # the worker is gone: recovery requeues what it held
                 except Exception as exc:
                     log.warning("worker %s: dispatching %s failed: %s", conn.id, item.message_id, exc)
                     sent = False
-                    with contextlib.suppress(Exception):  # else the reaper reclaims it
-                        await self.recovery.requeue(item)
+                    await self.recovery.requeue_when_back(item)
                 if not sent:
                     conn.inflight.pop(item.message_id, None)
                     conn.credits += 1
@@ -462,9 +582,13 @@ class WorkerHub:
                 self.source.finished(work, record, key)
                 self.finished.put(work.stored(record, stored, frame.attempt, conn.id, key))
             self.metrics.finished.labels(MessageState.complete.value).inc()
+            conn.served += 1
             await self.streams.finish(frame.message_id, StreamDone("complete"))
         elif await self.store.is_cancelled_or_deleted(frame.message_id):  # cancelled, record refused: readers still end
             await self.recovery.finish_cancelled(frame.message_id)
+        elif await self.store.completed_at(frame.message_id, frame.attempt):
+            # stored by an earlier try whose answer was lost (the database or Redis went away after it)
+            await self.streams.finish(frame.message_id, StreamDone("complete"))
         await self.queue.ack(inflight.item)
 
     async def _on_failed(self, conn: WorkerConnection, frame: FailedFrame) -> None:

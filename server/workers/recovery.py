@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 
 from server.chats.work_store import WorkStore
-from server.errors import is_unavailable
 from server.metrics import Metrics
 from server.models import utcnow
+from server.outages import is_unavailable, until_available
 from server.queue.protocol import QueueFull, WorkerDirectory, WorkItem, WorkQueue
 from server.settings import ServerSettings
 from server.streams.protocol import StreamDone, TokenStreams
@@ -27,6 +28,8 @@ from shared.errors import ErrorCode
 from shared.protocol import CancelFrame
 
 log = logging.getLogger(__name__)
+
+_WAIT_FOR_DATABASE_S = 600.0  # a background requeue waits this long for the database, then the sweep does
 
 
 class Recovery:
@@ -65,13 +68,21 @@ class Recovery:
                     await task
 
     # ---- one message ---------------------------------------------------------------------------
-    async def requeue(self, item: WorkItem, *, failed: bool = False) -> None:
+    async def requeue(self, item: WorkItem, *, failed: bool = False, engine_death: bool = False) -> None:
         """Hand the message to a new attempt (retry lane). ``failed``: its worker is to blame (a lost
         connection, a failure, bad frames), which counts toward ``max_attempts``; a dead server or a
-        Redis restart does not."""
-        attempt = await self.store.next_attempt(item.message_id, item.attempt, failed=failed)
+        Redis restart does not. ``engine_death``: it was generating when its worker's engine died, which
+        counts toward ``engine_poison_deaths`` (a message that keeps killing engines fails)."""
+        attempt = await self.store.next_attempt(item.message_id, item.attempt, failed=failed, engine_death=engine_death)
         if attempt is None and await self.store.is_cancelled_or_deleted(item.message_id):
             await self.finish_cancelled(item.message_id)  # cancelled while its worker was lost
+        if attempt is not None and engine_death:
+            deaths = await self.store.engine_deaths(item.message_id)
+            if deaths >= self.settings.engine_poison_deaths:
+                error = f"the message was generating on {deaths} engines that died; it is not retried again"
+                log.error("message %s: %s", item.message_id, error)
+                await self.give_up(item, ErrorCode.engine_poison_message, error)
+                return
         if attempt is not None:
             try:
                 await self.queue.enqueue(item.model, item.message_id, attempt, retry=True)
@@ -80,6 +91,29 @@ class Recovery:
                 self.enqueue_later(item.model, item.message_id, attempt, retry=True)
                 return
         await self.queue.ack(item)
+
+    async def requeue_when_back(self, item: WorkItem, *, failed: bool = False, engine_death: bool = False) -> None:
+        """``requeue``, and while the database (or Redis) is away, again in the background until it is
+        back (for up to ``_WAIT_FOR_DATABASE_S``; the sweep and the reaper are the backstop)."""
+        try:
+            await self.requeue(item, failed=failed, engine_death=engine_death)
+        except Exception as exc:
+            if not is_unavailable(exc):
+                log.warning("could not requeue %s: %s", item.message_id, exc)  # the reaper reclaims it
+                return
+            step = functools.partial(self.requeue, item, failed=failed, engine_death=engine_death)
+            self._spawn(until_available(step, f"requeueing {item.message_id}", within_s=_WAIT_FOR_DATABASE_S))
+
+    def _spawn(self, job: Awaitable[None]) -> None:
+        async def run() -> None:
+            try:
+                await job
+            except Exception as exc:
+                _log_pass_failure("background requeue", exc)
+
+        task = asyncio.create_task(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def enqueue_later(self, model: str, message_id: str, attempt: int, *, retry: bool = False) -> None:
         """Enqueue in the background, retrying while the queue (Redis) is away, for up to
@@ -135,14 +169,14 @@ class Recovery:
             log.warning("could not requeue %s: %s", item.message_id, exc)
 
     async def recover_all(self, conn: WorkerConnection) -> None:
-        """Requeue everything a worker that went away held."""
+        """Requeue everything a worker that went away held, but the records it finished that wait for
+        the database (``WorkerHub._settle`` stores them once it is back)."""
         for inflight in list(conn.inflight.values()):
+            if inflight.storing:
+                continue
             log.warning("worker %s lost while generating %s: requeueing", conn.id, inflight.item.message_id)
-            try:
-                await self.requeue(inflight.item, failed=True)
-            except Exception as exc:  # Redis or the database away: the reaper reclaims it later
-                log.warning("could not requeue %s: %s", inflight.item.message_id, exc)
-        conn.inflight.clear()
+            conn.inflight.pop(inflight.item.message_id, None)
+            await self.requeue_when_back(inflight.item, failed=True)
 
     # ---- background passes -----------------------------------------------------------------------
     async def _sweep_forever(self) -> None:

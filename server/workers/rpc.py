@@ -9,10 +9,8 @@ import logging
 import secrets
 from typing import Any
 
-from fastapi import WebSocketDisconnect
-
 from server.queue.protocol import WorkerDirectory
-from server.workers.connection import WorkerConnection, server_of
+from server.workers.connection import WorkerConnection, WorkerGone, server_of
 from server.workers.relay import RedisRpcRelay, RelayError, RelayTimeout
 from shared.errors import ErrorCode
 from shared.protocol import CancelFrame, RpcFrame, RpcMethod
@@ -99,7 +97,7 @@ class WorkerRpc:
             return await asyncio.wait_for(answer, timeout=timeout_s)
         except TimeoutError as exc:
             raise RpcUnavailable(f"worker {conn.id} did not answer within {timeout_s:.0f}s") from exc
-        except (WebSocketDisconnect, RuntimeError, ConnectionError) as exc:
+        except WorkerGone as exc:
             raise RpcUnavailable(f"worker {conn.id} went away") from exc
         finally:
             conn.calls.pop(call_id, None)

@@ -55,6 +55,15 @@ class EngineError(Exception):
         self.code = code
 
 
+class EngineDead(EngineError):
+    """The whole engine is unusable (its process died, its model thread raised): every request on it
+    is lost through no fault of its own, and the worker must restart the engine (worker.engine_health).
+    A per-request failure is a plain ``EngineError``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("engine_dead", message)
+
+
 class Engine(Protocol):
     info: EngineInfo
 

@@ -18,6 +18,10 @@ batch; leaving rows are index-selected and all-padding columns trimmed. Nothing 
 membership changes, and padding never enters a real token's attention, so batched logprobs match a
 teacher-forced fp32 pass to ~1e-6. Sampling is per row (own params, own seeded ``torch.Generator``),
 so a request's tokens do not depend on which other requests share its batch.
+
+A step that raises leaves the batch cache in an unknown state: the engine is dead from then on (every
+request on it ends with ``EngineDead``, new ones are refused, ``failure`` says why) and the worker
+restarts it with a fresh engine (worker.engine_health).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.utils import logging as hf_logging
 
 from shared.errors import ErrorCode
-from worker.engines.contract import EngineError, EngineInfo, GenerationParams, TokenStep
+from worker.engines.contract import EngineDead, EngineError, EngineInfo, GenerationParams, TokenStep
 from worker.sampling import is_greedy, param_error, presence_mask, process_logits, top_logprobs
 
 __all__ = ["HFEngine", "HFEngineStats"]
@@ -128,6 +132,8 @@ class HFEngine:
         self._wake = asyncio.Event()
         self._scheduler: asyncio.Task[None] | None = None
         self._closing = False
+        self._dead: str | None = None  # why the engine died
+        self._fault = False  # fault injection: the next step raises
         # Batch state, touched only by the model thread (or by the loop while no step runs).
         self._rows: list[_Row] = []
         self._cache: DynamicCache | None = None
@@ -195,6 +201,8 @@ class HFEngine:
             self._wake.set()
 
     def _admit(self, request_id: str, prompt_ids: list[int], params: GenerationParams) -> _Request:
+        if self._dead is not None:
+            raise EngineDead(self._dead)
         if self._scheduler is None or self._closing:
             raise EngineError(ErrorCode.not_ready, "engine is not running")
         if request_id in self._requests:
@@ -223,6 +231,16 @@ class HFEngine:
             self._finish(req, TokenStep(token_ids=[], logprobs=[], finish_reason="abort"))
             self._wake.set()
 
+    def failure(self) -> str | None:
+        """Why the engine is unusable (a step raised), or None."""
+        return self._dead
+
+    def inject_fault(self) -> None:
+        """Fault injection (tests, benchmarks/chaos_engine.py): the next model step raises on the model
+        thread, as a real failure would, and the engine dies."""
+        self._fault = True
+        self._wake.set()
+
     def _finish(self, req: _Request, last: TokenStep | EngineError) -> None:
         if not req.done:
             req.done = True
@@ -236,7 +254,7 @@ class HFEngine:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while not self._closing:
-            if not self._pending and not self._rows:
+            if not self._pending and not self._rows and not self._fault:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -248,12 +266,13 @@ class HFEngine:
             try:
                 outputs = await loop.run_in_executor(self._executor, self._step, admit)
             except Exception as exc:
-                log.exception("hf engine step failed")
-                error = EngineError(ErrorCode.engine_error, f"generation step failed: {exc!r}")
-                for req in [*(row.req for row in self._rows), *admit]:
-                    self._finish(req, error)
+                log.exception("hf engine step failed: the engine is dead")
+                self._dead = f"hf engine step failed: {exc!r}"
+                for req in [*(row.req for row in self._rows), *admit, *self._pending]:
+                    self._finish(req, EngineDead(self._dead))
                 self._rows, self._cache = [], None
-                continue
+                self._pending.clear()
+                return
             for req, step in outputs:
                 if req.done:  # aborted while the step ran
                     continue
@@ -266,6 +285,9 @@ class HFEngine:
 
     @torch.inference_mode()
     def _step(self, admit: list[_Request]) -> list[tuple[_Request, TokenStep]]:
+        if self._fault:
+            self._fault = False
+            raise RuntimeError("fault injection: the engine was made to fail")
         outputs: list[tuple[_Request, TokenStep]] = []
         self._keep([not row.req.done for row in self._rows])
         if self._rows:

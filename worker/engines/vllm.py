@@ -11,19 +11,33 @@ flat logprobs (plain lists: no dict and ``Logprob`` objects per token in vLLM's 
 gets a sampling seed only when it has one (DESIGN D17: per-request generators are vLLM's slower sampling
 path). Prefix caching is on by default; ``num_cached_tokens`` comes with the first step.
 
+On CPU, chunked prefill is off by default. vLLM rewinds a seeded request's own torch generator after a
+step that prefilled only part of its prompt (``set_offset`` in the model runner's bookkeeping, for the
+sample it discards), and CPU generators have no offset: one seeded request whose prompt is split over
+steps (long prompts, or many prompts sharing a step's token budget) raised ``CPU Generator does not use
+offset`` and killed the engine with every request on it. Without chunked prefill every prompt is
+prefilled in one step, so nothing is rewound; the price is that decodes wait while a long prompt
+prefills. Where chunked prefill is forced on on CPU, seeded requests are refused (``unsupported_parameter``).
+
+An engine that dies (``EngineDeadError``: its engine-core process died or raised) raises ``EngineDead``
+to every stream; ``failure`` reports it between requests too (worker.engine_health restarts it).
+
 vLLM is imported lazily: its pins (transformers, fastapi) clash with the server's, so it lives in its
 own environment (``scripts/vllm_env.sh``) and importing this module never needs it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import signal
 from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
 
-from worker.engines.contract import EngineError, EngineInfo, GenerationParams, TokenStep
+from worker.engines.contract import EngineDead, EngineError, EngineInfo, GenerationParams, TokenStep
 from worker.sampling import param_error
 
 __all__ = ["VLLMEngine"]
@@ -51,6 +65,8 @@ class VLLMEngine:
         enable_prefix_caching: bool = True,
         max_num_seqs: int | None = None,
         log_stats: bool = False,
+        enable_chunked_prefill: bool | None = None,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         self._path = model_path
         self._args: dict[str, Any] = {
@@ -70,6 +86,11 @@ class VLLMEngine:
         }
         if max_num_seqs is not None:
             self._args["max_num_seqs"] = max_num_seqs
+        if max_num_batched_tokens is not None:
+            self._args["max_num_batched_tokens"] = max_num_batched_tokens
+        self._chunked_prefill = enable_chunked_prefill  # None: off on CPU, vLLM's default elsewhere
+        self._seed_unsafe = False  # seeded requests would kill this engine (chunked prefill on CPU)
+        self._dead_error: type[BaseException] = _NeverRaised  # vLLM's EngineDeadError, once imported
         self.info = EngineInfo(
             name="vllm",
             max_context=max_model_len or _config_context(model_path),
@@ -98,7 +119,18 @@ class VLLMEngine:
             from vllm.inputs import TokensPrompt
 
             self._prompt = lambda ids: TokensPrompt(prompt_token_ids=ids)
-        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._args))
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        self._dead_error = EngineDeadError
+        args = dict(self._args)
+        if current_platform.is_cpu():
+            if self._chunked_prefill is None:
+                args["enable_chunked_prefill"] = False  # see the module docstring
+            self._seed_unsafe = bool(self._chunked_prefill)
+        elif self._chunked_prefill is not None:
+            args["enable_chunked_prefill"] = self._chunked_prefill
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
         model_config = self._llm.model_config
         self.info.max_context = int(model_config.max_model_len)
         self._vocab = int(model_config.get_vocab_size())
@@ -108,6 +140,20 @@ class VLLMEngine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+
+    def failure(self) -> str | None:
+        """Why the engine is unusable (its engine core died), or None."""
+        if self._llm is None or not self._llm.errored:
+            return None
+        return f"vLLM engine core is dead: {self._llm.dead_error!r}"
+
+    def inject_fault(self) -> None:
+        """Fault injection (tests, benchmarks/chaos_engine.py): SIGKILL the engine-core processes."""
+        manager = getattr(getattr(getattr(self._llm, "engine_core", None), "resources", None), "engine_manager", None)
+        for proc in getattr(manager, "processes", ()):
+            if proc.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGKILL)
 
     def _sampling_params(self, params: GenerationParams, limit: int) -> Any:
         from vllm import SamplingParams
@@ -145,6 +191,12 @@ class VLLMEngine:
             raise EngineError("bad_request", f"prompt token ids must be in [0, {self._vocab})")
         if problem := param_error(params):
             raise EngineError("bad_request", problem)
+        if params.seed is not None and self._seed_unsafe:
+            raise EngineError(
+                "unsupported_parameter",
+                "seed is not supported by the vllm engine on CPU with chunked prefill on (--vllm-chunked-prefill): "
+                "vLLM cannot rewind a CPU generator; run without chunked prefill or without a seed",
+            )
         room = self.info.max_context - len(prompt_ids)
         if room <= 0:
             raise EngineError(
@@ -176,6 +228,8 @@ class VLLMEngine:
             yield TokenStep(token_ids=[], logprobs=[], finish_reason="abort")
         except EngineError:
             raise
+        except self._dead_error as exc:
+            raise EngineDead(f"vLLM engine died: {exc!r}") from exc
         except ValueError as exc:  # vLLM's input validation
             code = "context_overflow" if "longer than the maximum model length" in str(exc) else "bad_request"
             raise EngineError(code, str(exc)) from exc
@@ -183,13 +237,17 @@ class VLLMEngine:
             raise EngineError("engine_error", f"vLLM generation failed: {exc!r}") from exc
         finally:
             self._aborted.discard(request_id)
-            if not finished and self._llm is not None:  # consumer went away: free the slot
+            if not finished and self._llm is not None and not self._llm.errored:  # consumer went away: free the slot
                 await self._llm.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
         if self._llm is not None:
             self._aborted.add(request_id)
             await self._llm.abort(request_id)
+
+
+class _NeverRaised(Exception):
+    """Stands for vLLM's EngineDeadError until vLLM is imported."""
 
 
 def _step(completion: Any, top_k: int) -> TokenStep:

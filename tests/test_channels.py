@@ -183,3 +183,20 @@ def test_raw_text_keeps_its_whitespace() -> None:
     stream = ReplyStream(["\n\n"], strip=False)
     sent = stream.feed([" a", "\n", "b\n"], "").content
     assert sent == " a\nb" and stream.finish(" a\nb\n", None) == Delta(content="\n")
+
+
+def test_a_marker_that_flushes_an_incomplete_character_keeps_it() -> None:
+    """A byte token that does not complete a UTF-8 character streams no text; the special token after
+    it flushes U+FFFD with its own text. That character is the message's (as ``parse`` decodes it), so
+    the marker is not hidden with it (found by the random-ids test: ``[97, <think>, </think>, <think>]``)."""
+    for kind in ("qwen", "qwen-special", "llama3"):
+        tok = tokenizer(kind)
+        byte = next(i for i in range(len(tok)) if tok.decode([i]) == "\ufffd")
+        parser = OutputParser.for_tokenizer(tok)
+        for names in (["<think>", "</think>", "<think>"], ["<tool_call>", _VALID, "</tool_call>"], ["<|im_end|>"]):
+            if not all(n == _VALID or isinstance(tok.convert_tokens_to_ids(n), int) for n in names):
+                continue
+            ids = [byte, *(t for n in names for t in (enc(kind, n) if n == _VALID else [tid(kind, n)]))]
+            for opened in {False, parser.think is not None}:
+                whole = assert_views_equal(parser, ids, [], opened)
+                assert "\ufffd" in (whole.content or "") + (whole.reasoning_content or ""), (kind, names, whole)

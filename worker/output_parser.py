@@ -186,6 +186,7 @@ class OutputParser:
         specials.update(int(i) for i, tok in decoder.items() if getattr(tok, "special", False))
         # Stop tokens (eos, <|im_end|>, <|eot_id|>, <|eom_id|>) at the end are dropped; markers are kept.
         self._trailing = frozenset(specials - self._markers.keys())
+        self._lone_texts: dict[int, str] = {}  # structural tokens' text decoded alone (streams_alone)
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, chat_template: str | None = None) -> OutputParser:
@@ -230,6 +231,15 @@ class OutputParser:
         """Whether each marker streams as its literal text (not a special token that decoding skips),
         as ``parse`` renders a marker that is text."""
         return all(self._decode([token_id]) == text for token_id, text in self._markers.items())
+
+    def streams_alone(self, token_id: int, text: str) -> bool:
+        """Whether ``text``, a structural token's streamed text, is that token's own text. It is not when
+        the detokenizer flushed earlier bytes with it (an incomplete UTF-8 sequence before a special
+        token becomes U+FFFD on it); hiding such a token would hide that text too."""
+        own = self._lone_texts.get(token_id)
+        if own is None:
+            own = self._lone_texts[token_id] = self._decode([token_id])
+        return text == own
 
     # ---- decoding ----------------------------------------------------------------------------------
     def _decode(self, ids: Sequence[int]) -> str:
@@ -415,6 +425,8 @@ class ChannelTracker:
         if state == "held":
             return "t"
         marker = p._markers.get(token_id)
+        if (marker is not None or token_id in p._trailing) and not p.streams_alone(token_id, text):
+            return self._hold()  # it carries earlier text: which channel that is, the end decides
         if state == "reasoning":
             assert p.think is not None
             if token_id == p.think[1]:

@@ -53,12 +53,17 @@ class DroppingProxy:
         self.writers -= {writer, up_writer}
 
     def drop(self) -> None:
+        """Returns once the connections are closed (the client may still read what it had buffered)."""
+        done = threading.Event()
+
         def close_all() -> None:
             for w in list(self.writers):
                 w.transport.abort()  # an RST, as when a link or a load balancer goes away
             self.drops += 1
+            done.set()
 
         self.loop.call_soon_threadsafe(close_all)
+        assert done.wait(10)
 
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)

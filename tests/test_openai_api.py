@@ -253,7 +253,9 @@ def test_stop_strings_and_conversation_pinning(api: Callable[[str], openai.OpenA
 
 def test_concurrent_agents_do_not_cross_match(api: Callable[[str], openai.OpenAI], embedded_stack: str) -> None:
     key = api("oa-swarm").api_key
-    client = openai.AsyncOpenAI(base_url=f"{embedded_stack}/v1", api_key=key, max_retries=0)
+    # 64 requests from one user can outrun the per-user rate limit (burst 60, 10/s) on a fast machine:
+    # the SDK retries a 429 after its Retry-After, as agents do (a 429 stores nothing).
+    client = openai.AsyncOpenAI(base_url=f"{embedded_stack}/v1", api_key=key, max_retries=4)
 
     async def agent(k: int) -> list[dict[str, Any]]:
         messages: list[dict[str, Any]] = [{"role": "user", "content": f"task {k}: shared preamble"}]

@@ -213,6 +213,9 @@ class WorkerClient:
     async def _serve(self, channel: Channel, where: str) -> None:
         """One session over a connected channel: hello, welcome, then frames until the server closes it."""
         self._channel = channel
+        # Until the welcome, this session has no features: the hello goes alone (unbatched), and the
+        # engine-health frames and credits of a background task wait (``connected``) for the welcome.
+        self._batching = self._drain_frames = self._engine_frames = False
         try:
             await self._send(self.hello())
             first = await asyncio.wait_for(channel.receive(), timeout=30)
@@ -227,7 +230,8 @@ class WorkerClient:
             self._batching = FEATURE_BATCH in first.features
             self._drain_frames = FEATURE_DRAIN in first.features
             self._engine_frames = FEATURE_ENGINE in first.features
-            await self._send(CreditFrame(credits=self.options.max_parallel - len(self._tasks)))
+            if not self.engine_down:  # else the credits come with the engine's "ready"
+                await self._send(CreditFrame(credits=self.options.max_parallel - len(self._tasks)))
             self.connected.set()
             beat = asyncio.create_task(self._heartbeat(first.heartbeat_interval_s))
             try:
@@ -406,15 +410,15 @@ class WorkerClient:
     async def _engine_died(self, running: list[tuple[str, int]]) -> None:
         """Stop the work in hand (its streams are dead) and hand it back: the server requeues it, to be
         resumed after the tokens already streamed."""
+        channel = self._channel if self.connected.is_set() else None
         tasks = list(self._tasks.values())
         for t in tasks:
             t.cancel()
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        channel = self._channel
-        if channel is None:
-            return  # the next server hears of it in the hello's released work
+        if channel is None or channel is not self._channel:
+            return  # the next session's server hears of it in the hello's released work
         if self._engine_frames:
             with contextlib.suppress(ConnectionError, websockets.exceptions.WebSocketException):
                 await self._send(self._engine_frame("restarting", running))
@@ -424,14 +428,17 @@ class WorkerClient:
             await channel.close(1011, "engine restarting")
 
     async def _engine_back(self) -> None:
-        if self._channel is None or not self._engine_frames or self.draining:
-            return  # a reconnect grants credits in its own time
+        if self._channel is None or not self.connected.is_set() or self.draining:
+            return  # a session being opened grants credits after its welcome
+        if not self._engine_frames:  # this server was told by a disconnect; credits are all it needs
+            await self._send_quietly(CreditFrame(credits=self.options.max_parallel - len(self._tasks)))
+            return
         with contextlib.suppress(ConnectionError, websockets.exceptions.WebSocketException):
             await self._send(self._engine_frame("ready", []))
             await self._send(CreditFrame(credits=self.options.max_parallel - len(self._tasks)))
 
     async def _engine_failed(self) -> None:
-        channel = self._channel
+        channel = self._channel if self.connected.is_set() else None
         if channel is None:
             return
         if self._engine_frames:

@@ -28,6 +28,7 @@ own environment (``scripts/vllm_env.sh``) and importing this module never needs 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import math
@@ -130,7 +131,16 @@ class VLLMEngine:
             self._seed_unsafe = bool(self._chunked_prefill)
         elif self._chunked_prefill is not None:
             args["enable_chunked_prefill"] = self._chunked_prefill
-        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        # Off the event loop: starting the engine core takes seconds to minutes (on CPU ~20 s), and a
+        # loop blocked that long stops everything else this process serves (heartbeats, and with
+        # ``serve --model`` the server itself). vLLM starts its output tasks lazily when constructed
+        # outside a loop; started here at once, an engine core that fails before the first request is
+        # noticed (``failure``).
+        llm = await asyncio.to_thread(AsyncLLM.from_engine_args, AsyncEngineArgs(**args))
+        start_outputs = getattr(llm, "_run_output_handler", None)
+        if callable(start_outputs):
+            start_outputs()
+        self._llm = llm
         model_config = self._llm.model_config
         self.info.max_context = int(model_config.max_model_len)
         self._vocab = int(model_config.get_vocab_size())
@@ -138,8 +148,8 @@ class VLLMEngine:
 
     async def close(self) -> None:
         if self._llm is not None:
-            self._llm.shutdown()
-            self._llm = None
+            llm, self._llm = self._llm, None
+            await asyncio.to_thread(llm.shutdown)  # it waits for the engine-core process to exit
 
     def failure(self) -> str | None:
         """Why the engine is unusable (its engine core died), or None."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -34,9 +35,20 @@ def seconds_since(when: datetime) -> float:
     return max((datetime.now(UTC) - when).total_seconds(), 0.0)
 
 
+@dataclass(frozen=True, slots=True)
+class ModelSeries:
+    """One model's children of the per-token series: ``labels()`` takes a lock and builds its key at
+    every call, and the hub records once per engine step per message."""
+
+    ttft: Histogram
+    inter_token: Histogram
+    tokens: Counter
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._series: dict[str, ModelSeries] = {}
         r = self.registry
         self.ttft = Histogram(
             "tokentrail_ttft_seconds",
@@ -112,6 +124,13 @@ class Metrics:
             "tokentrail_metrics_scrape_errors", "State reads that failed during a scrape", ["what"], registry=r
         )
 
+    def model_series(self, model: str) -> ModelSeries:
+        series = self._series.get(model)
+        if series is None:
+            series = ModelSeries(self.ttft.labels(model), self.inter_token.labels(model), self.tokens.labels(model))
+            self._series[model] = series
+        return series
+
     @contextmanager
     def sse_reader(self) -> Iterator[None]:
         """Counts an open SSE event stream (either dialect) while it lasts."""
@@ -176,10 +195,10 @@ class StreamTimer:
 
     def tokens(self, metrics: Metrics, model: str, count: int) -> None:
         now = time.monotonic()
+        series = metrics.model_series(model)
         if self.last_at:
-            gap = (now - self.last_at) / count
-            metrics.inter_token.labels(model).observe(gap)
+            series.inter_token.observe((now - self.last_at) / count)
         elif self.created_at is not None:
-            metrics.ttft.labels(model).observe(seconds_since(self.created_at))
+            series.ttft.observe(seconds_since(self.created_at))
         self.last_at = now
-        metrics.tokens.labels(model).inc(count)
+        series.tokens.inc(count)

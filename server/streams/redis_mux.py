@@ -13,6 +13,7 @@ Entry ids are the stream's own (``0-E``: a batch ending at token E; ``1-0``: the
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import secrets
@@ -29,6 +30,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _IDLE_DROP_S = 5.0  # a stream no reader asked for in this long is no longer read
+# A stream whose reader asked this recently stays in the XREAD while the reader handles what it got:
+# dropped from it, the reader's next ask would have to wake the blocked XREAD (a wake entry and a new
+# XREAD per engine step per stream).
+_KEEP_READING_S = 1.0
 
 
 def _end(entry_id: str) -> int:
@@ -41,16 +46,17 @@ def _end(entry_id: str) -> int:
 class _Watch:
     floor: int  # entries ending at or below this were never read here
     entries: list[tuple[str, Any]] = field(default_factory=list)  # (id, fields) in id order
+    ends: list[int] = field(default_factory=list)  # _end of each entry (ascending)
     waiters: list[tuple[int, asyncio.Future[list[tuple[str, Any]]]]] = field(default_factory=list)
     last_asked: float = field(default_factory=time.monotonic)
     done: bool = False
 
     @property
     def read_to(self) -> int:
-        return _end(self.entries[-1][0]) if self.entries else self.floor
+        return self.ends[-1] if self.ends else self.floor
 
     def after(self, index: int) -> list[tuple[str, Any]]:
-        return [e for e in self.entries if _end(e[0]) > index + 1]
+        return self.entries[bisect.bisect_right(self.ends, index + 1) :]
 
 
 class StreamMux:
@@ -120,9 +126,17 @@ class StreamMux:
                 await self.redis.xadd(self.wake_key, {"w": 1}, maxlen=8, approximate=True)
 
     async def _run(self) -> None:
+        dropped_at = time.monotonic()
         while not self._closing:
-            self._drop_idle()
-            wanted = {k: w for k, w in self._watches.items() if w.waiters and not w.done}
+            now = time.monotonic()
+            if now - dropped_at > 1.0:
+                self._drop_idle()
+                dropped_at = now
+            wanted = {
+                k: w
+                for k, w in self._watches.items()
+                if not w.done and (w.waiters or now - w.last_asked < _KEEP_READING_S)
+            }
             if not wanted:
                 self._work.clear()
                 with contextlib.suppress(TimeoutError):
@@ -151,8 +165,9 @@ class StreamMux:
                     continue
                 for entry_id, fields in entries:
                     eid = text(entry_id)
-                    if _end(eid) > watch.read_to:
+                    if (end := _end(eid)) > watch.read_to:
                         watch.entries.append((eid, fields))
+                        watch.ends.append(end)
                         watch.done = watch.done or not eid.startswith("0-")
                 for after, waiter in list(watch.waiters):
                     ready = watch.after(after)

@@ -152,6 +152,12 @@ class GenerateRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     request_id: str | None = None
+    # "tokens" (vLLM's default): logprob entries by token id; "text": also the detokenized text, and
+    # logprob entries with token strings and bytes, as OpenAI's chat route shapes them
+    output_mode: Literal["tokens", "text"] = "tokens"
+    return_token_ids: bool | None = None  # answer with prompt_token_ids (in a stream: its first chunk)
+    priority: int = 0  # only 0: tokentrail's queue is first come, first served
+    cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
 
 
 ToolChoice = Literal["auto", "none"]

@@ -6,6 +6,7 @@ raw-prompt chats."""
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -190,13 +191,39 @@ def test_generate_tokens_in_tokens_out(embedded_stack: str, user_key: Any, token
     assert record["prompt_token_ids"] == ids and choice["token_ids"] == record["completion_token_ids"]
     entries = choice["logprobs"]["content"]
     assert [e["logprob"] for e in entries] == pytest.approx(record["logprobs"], abs=1e-6)
-    assert all(len(e["top_logprobs"]) == 1 for e in entries)
+    # vLLM's shape (output_mode "tokens"): integer ids, and the "token_id:<id>" names its clients check
+    assert out["output_mode"] == "tokens" and out["model"] == MODEL and out["prompt_token_ids"] is None
+    assert [e["token_id"] for e in entries] == choice["token_ids"]
+    assert [e["token"] for e in entries] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert all(len(e["top_logprobs"]) == 1 and e["top_logprobs"][0]["rank"] == 1 for e in entries)
+    assert all(e["rank"] == 1 for e in entries)  # greedy: the sampled token is the top one
     assert out["usage"]["prompt_tokens"] == len(ids) and out["usage"]["completion_tokens"] == len(choice["token_ids"])
-    # greedy: the streamed tokens are the same
-    events = sse_events(url, key, "/inference/v1/generate", {**body, "stream": True})
+    # greedy: the streamed tokens are the same; the prompt ids come in the first chunk when asked for
+    events = sse_events(
+        url,
+        key,
+        "/inference/v1/generate",
+        {**body, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}},
+    )
     streamed = [t for e in events for c in e["choices"] for t in c["token_ids"]]
     assert streamed == choice["token_ids"]
-    assert events[-1]["choices"][0]["finish_reason"] == choice["finish_reason"]
+    assert events[0]["prompt_token_ids"] == ids and all("prompt_token_ids" not in e for e in events[1:])
+    assert events[-2]["choices"][0]["finish_reason"] == choice["finish_reason"]
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == len(streamed)
+    streamed_lps = [e for ev in events for c in ev["choices"] if c["logprobs"] for e in c["logprobs"]["content"]]
+    assert [e["token"] for e in streamed_lps] == [f"token_id:{t}" for t in streamed]
+    # output_mode "text": the text, and logprob entries with token strings, as the chat route has them
+    text = post(url, key, "/inference/v1/generate", {**body, "output_mode": "text", "return_token_ids": True})
+    [tchoice] = text["choices"]
+    assert tchoice["token_ids"] == choice["token_ids"] and text["prompt_token_ids"] == ids
+    tinfo = tchoice["tokentrail"]
+    trecord = stored(url, key, tinfo["chat_id"], tinfo["message_id"])
+    assert tchoice["text"] == trecord["content"]
+    assert "".join(e["token"] for e in tchoice["logprobs"]["content"]).startswith(tchoice["text"])
+    tevents = sse_events(url, key, "/inference/v1/generate", {**body, "output_mode": "text", "stream": True})
+    assert "".join(c["text"] for e in tevents for c in e["choices"]) == tchoice["text"]
+    err = post(url, key, "/inference/v1/generate", {**body, "priority": 5}, status=400)["error"]
+    assert err["code"] == "unsupported_parameter" and err["param"] == "priority"
     # ignore_eos: exactly max_tokens; n siblings
     many = post(
         url,
@@ -228,3 +255,47 @@ def test_raw_prompt_chats_export_and_verify(
     assert sample["token_ids"] == record_ids["prompt_token_ids"] + record_ids["token_ids"]
     report = run_cli("verify", str(out), "--model", str(tiny_model_dir))
     assert "PASS" in report, report
+
+
+# Validates answers with vLLM's own protocol models (vllm/entrypoints/scale_out/token_in_token_out), in
+# the vLLM environment: a field vLLM's clients read that is missing or of another type fails here.
+_VLLM_PROTOCOL_CHECK = """
+import json, sys
+from pydantic import TypeAdapter
+from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateResponse, GenerateStreamResponse
+data = json.load(sys.stdin)
+for body in data["responses"]:
+    parsed = TypeAdapter(GenerateResponse).validate_python(body)
+    assert parsed.output_mode == body["output_mode"], parsed.output_mode
+    for choice, sent in zip(parsed.choices, body["choices"], strict=True):
+        assert choice.token_ids == sent["token_ids"]
+        if body["output_mode"] == "tokens" and sent["logprobs"]:
+            assert [e.token_id for e in choice.logprobs.content] == sent["token_ids"]
+for chunk in data["chunks"]:
+    TypeAdapter(GenerateStreamResponse).validate_python(chunk)
+print("ok", len(data["responses"]), len(data["chunks"]))
+"""
+
+
+def test_generate_answers_are_vllms_protocol(embedded_stack: str, user_key: Any, tokenizer: Any) -> None:
+    from tests.test_engine_contract import _vllm_python
+
+    python = _vllm_python()
+    if not python.exists():
+        pytest.skip(f"no vLLM environment at {python.parent.parent} (scripts/vllm_env.sh builds it)")
+    url, key = embedded_stack, user_key("oa-generate-protocol")
+    ids = tokenizer.encode("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n")
+    body: dict[str, Any] = {"model": MODEL, "token_ids": ids, "sampling_params": {"max_tokens": 6, "logprobs": 2}}
+    responses, chunks = [], []
+    for mode in ("tokens", "text"):
+        asked = {**body, "output_mode": mode, "return_token_ids": True}
+        responses.append(post(url, key, "/inference/v1/generate", asked))
+        chunks += sse_events(
+            url, key, "/inference/v1/generate", {**asked, "stream": True, "stream_options": {"include_usage": True}}
+        )
+    data = json.dumps({"responses": responses, "chunks": chunks})
+    proc = subprocess.run(
+        [str(python), "-c", _VLLM_PROTOCOL_CHECK], input=data, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("ok 2 ")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ from server.openai.render import (
     dumps,
     failure,
     finite,
+    generate_logprob_entries,
     logprob_entries,
     stop_reason,
     stored_logprobs,
@@ -263,7 +264,8 @@ _GENERATE_REFUSED = {
 
 @router.post("/inference/v1/generate")
 async def generate(body: GenerateRequest, user: CurrentUser, session: SessionDep, state: StateDep) -> Response:
-    """vLLM's tokens-in route: generation from the given token ids, with vLLM's ``sampling_params``."""
+    """vLLM's tokens-in route: generation from the given token ids, with vLLM's ``sampling_params``,
+    answered in vLLM's shape (``output_mode`` tokens or text)."""
     model = await resolve_model(state, body.model)
     sp = body.sampling_params
     extra = sp.model_extra or {}
@@ -278,6 +280,18 @@ async def generate(body: GenerateRequest, user: CurrentUser, session: SessionDep
         raise unsupported("sampling_params.best_of", "best_of other than n is not supported; use n")
     if sp.n > MAX_N:
         raise ApiError(ErrorCode.validation_error, f"n is at most {MAX_N}", param="sampling_params.n")
+    request_extra = body.model_extra or {}
+    for name in ("content_parts", "features"):
+        if request_extra.get(name):
+            raise unsupported(name, "multimodal inputs are not supported")
+    if body.priority != 0:
+        raise unsupported("priority", "requests are served first come, first served; send priority 0")
+    if body.output_mode == "text" and extra.get("detokenize") is False:
+        raise ApiError(
+            ErrorCode.validation_error,
+            "output_mode 'text' requires sampling_params.detokenize to be true",
+            param="output_mode",
+        )
     top = sp.logprobs or 0
     sampling = sampling_params(sp, sp.max_tokens, top, prefix="sampling_params.")
     await admit(state.settings, state.rate_limiter, session, user.id, model, sp.n)
@@ -294,12 +308,9 @@ async def generate(body: GenerateRequest, user: CurrentUser, session: SessionDep
     state.paths.remember([prompt_msg])
     await enqueue(state, msgs)
     await session.close()
-    request_id = body.request_id or f"gen-{msgs[0].id}"
-    want_lps = sp.logprobs is not None
+    shape = _GenerateShape(body, body.request_id or f"gen-{msgs[0].id}", model, top)
     if body.stream:
-        return event_stream(
-            _generate_stream(state, body, request_id, [m.id for m in msgs], top, want_lps), state.metrics
-        )
+        return event_stream(_generate_stream(state, shape, [m.id for m in msgs]), state.metrics)
     results = await asyncio.gather(*(collect(state, m.id) for m in msgs))
     choices = []
     completion = 0
@@ -310,25 +321,25 @@ async def generate(body: GenerateRequest, user: CurrentUser, session: SessionDep
         ids = unpack_ids(tokens.completion_ids)
         completion += len(ids)
         tops = progress.top_logprobs if len(progress.top_logprobs) == len(ids) else None
-        entries = logprob_entries(ids, stored_logprobs(tokens), token_texts(tokens), tops, top_n=top, as_ids=False)
-        choices.append(
-            {
-                "index": i,
-                "logprobs": {"content": entries} if want_lps else None,
-                "finish_reason": msg.finish_reason,
-                "token_ids": ids,
-                "tokentrail": tokentrail_info(msg, tokens, forked=False),
-            }
-        )
+        choice = shape.choice(i, ids, stored_logprobs(tokens), token_texts(tokens), tops)
+        choice["finish_reason"] = msg.finish_reason
+        choice["stop_reason"] = stop_reason(tokens)
+        if body.output_mode == "text":
+            choice["text"] = msg.content or ""
+        choice["tokentrail"] = tokentrail_info(msg, tokens, forked=False)
+        choices.append(choice)
     first = results[0][0].tokens
     assert first is not None
     return Response(
         dumps(
             {
-                "request_id": request_id,
+                **shape.head(),
+                "created": int(time.time()),
                 "choices": choices,
                 "usage": usage(len(body.token_ids), completion, first.num_cached_tokens),
                 "prompt_logprobs": None,
+                "prompt_token_ids": body.token_ids if body.return_token_ids else None,
+                "mm_placeholders": None,
                 "kv_transfer_params": None,
             }
         ),
@@ -336,39 +347,76 @@ async def generate(body: GenerateRequest, user: CurrentUser, session: SessionDep
     )
 
 
-async def _generate_stream(
-    state: AppState, body: GenerateRequest, request_id: str, ids: list[str], top: int, want_lps: bool
-) -> AsyncIterator[bytes]:
-    totals = [0]
+class _GenerateShape:
+    """vLLM's generate response pieces for one request: the top fields and a choice's logprobs."""
+
+    def __init__(self, body: GenerateRequest, request_id: str, model: str, top: int) -> None:
+        self.body = body
+        self.request_id = request_id
+        self.model = model
+        self.top = top
+        self.want_lps = body.sampling_params.logprobs is not None
+
+    def head(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "model": self.model, "output_mode": self.body.output_mode}
+
+    def choice(
+        self,
+        index: int,
+        ids: list[int],
+        lps: list[float | None],
+        texts: list[str],
+        tops: Sequence[Sequence[tuple[int, float, str]] | None] | None,
+    ) -> dict[str, Any]:
+        logprobs: dict[str, Any] | None = None
+        if self.want_lps:
+            if self.body.output_mode == "text":
+                entries = logprob_entries(ids, lps, texts, tops, top_n=self.top, as_ids=False)
+            else:
+                entries = generate_logprob_entries(ids, lps, tops, top_n=self.top)
+            logprobs = {"content": entries}
+        return {"index": index, "logprobs": logprobs, "finish_reason": None, "stop_reason": None, "token_ids": ids}
+
+
+async def _generate_stream(state: AppState, shape: _GenerateShape, ids: list[str]) -> AsyncIterator[bytes]:
+    body = shape.body
+    totals = [0, 0]  # completion tokens, cached prompt tokens
+    prompt_pending = [bool(body.return_token_ids)]
+
+    def chunk(choices: list[dict[str, Any]], **more: Any) -> bytes:
+        out = {**shape.head(), "choices": choices, **more}
+        if prompt_pending[0] and choices:  # vLLM sends the prompt ids in the first chunk only
+            out["prompt_token_ids"] = body.token_ids
+            prompt_pending[0] = False
+        return sse(out)
 
     async def one(index: int, message_id: str) -> AsyncIterator[bytes]:
+        reply = ReplyStream(body.sampling_params.stop_strings(), strip=False)
         async for item in follow(state, message_id, Progress()):
             if isinstance(item, TokenBatch):
-                entries = logprob_entries(
-                    item.token_ids, item.logprobs, item.texts, item.top_logprobs, top_n=top, as_ids=False
-                )
-                choice = {
-                    "index": index,
-                    "logprobs": {"content": entries} if want_lps else None,
-                    "finish_reason": None,
-                    "token_ids": item.token_ids,
-                }
-                yield sse({"request_id": request_id, "choices": [choice]})
+                choice = shape.choice(index, item.token_ids, item.logprobs, item.texts, item.top_logprobs)
+                if body.output_mode == "text":
+                    choice["text"] = reply.feed(item.texts, "").content
+                yield chunk([choice])
             elif isinstance(item, StreamReset):
-                yield sse({"request_id": request_id, "choices": [], "tokentrail": {"reset_from": item.from_index}})
+                yield chunk([], tokentrail={"reset_from": item.from_index})
             else:
                 msg, tokens = item.message, item.tokens
                 if msg.state != MessageState.complete.value or tokens is None:
                     yield error_chunk(msg)
                     return
                 totals[0] += len(unpack_ids(tokens.completion_ids))
-                reason = msg.finish_reason
-                end: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": reason, "token_ids": []}
-                info = tokentrail_info(msg, tokens, forked=False)
-                yield sse({"request_id": request_id, "choices": [end], "tokentrail": info})
+                if index == 0:
+                    totals[1] = tokens.num_cached_tokens or 0
+                end = shape.choice(index, [], [], [], None)
+                end["finish_reason"] = msg.finish_reason
+                end["stop_reason"] = stop_reason(tokens)
+                if body.output_mode == "text":
+                    end["text"] = reply.finish(msg.content, None).content
+                yield chunk([end], tokentrail=tokentrail_info(msg, tokens, forked=False))
 
-    async for chunk in Merge([one(i, mid) for i, mid in enumerate(ids)]):
-        yield chunk
+    async for piece in Merge([one(i, mid) for i, mid in enumerate(ids)]):
+        yield piece
     if body.stream_options is not None and body.stream_options.include_usage:
-        yield sse({"request_id": request_id, "choices": [], "usage": usage(len(body.token_ids), totals[0], None)})
+        yield chunk([], usage=usage(len(body.token_ids), totals[0], totals[1]))
     yield SSE_DONE

@@ -74,6 +74,37 @@ def logprob_entries(
     return out
 
 
+def generate_logprob_entries(
+    ids: list[int],
+    lps: list[float | None],
+    tops: Sequence[Sequence[tuple[int, float, str]] | None] | None,
+    *,
+    top_n: int,
+) -> list[dict[str, Any]]:
+    """``/inference/v1/generate``'s ``logprobs.content`` in its default ``output_mode="tokens"``: vLLM's
+    integer ``token_id``, ``logprob``, ``rank`` (the sampled token's place among the alternatives, when
+    they were computed) and ``top_logprobs`` as a list. Each entry and alternative also carries
+    ``token: "token_id:<id>"``, the name vLLM's generate route gave tokens before it had output modes,
+    which clients built for it (``renderers``, verifiers' train client) check."""
+    out = []
+    for k, (tid, lp) in enumerate(zip(ids, lps, strict=True)):
+        alts = (tops[k] if tops is not None and k < len(tops) else None) or []
+        rank = next((r for r, (i, _, _) in enumerate(alts, 1) if i == tid), None)
+        out.append(
+            {
+                "token_id": tid,
+                "token": f"token_id:{tid}",
+                "logprob": finite(lp),
+                "rank": rank,
+                "top_logprobs": [
+                    {"token_id": i, "token": f"token_id:{i}", "logprob": finite(v), "rank": r}
+                    for r, (i, v, _) in enumerate(alts[:top_n], 1)
+                ],
+            }
+        )
+    return out
+
+
 def finish_reason(msg: Message) -> str | None:
     if msg.tool_calls and msg.finish_reason == "stop":
         return "tool_calls"

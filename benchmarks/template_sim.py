@@ -54,6 +54,7 @@ class Step:
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     cut: bool = False  # an assistant turn cut by max_new_tokens
+    written: bool = False  # an assistant message the client wrote itself (no tokens)
 
 
 def _call(i: int, city: str) -> dict[str, Any]:
@@ -119,6 +120,22 @@ def scripts(control: bool = True) -> dict[str, tuple[list[Step], list[dict[str, 
             ],
             TOOLS,
         ),
+        # assistant messages the client wrote itself (a tool call it made, a reply it typed): the next
+        # prompts still extend the last generated turn, the written ones rendered as new messages
+        "written": (
+            [
+                Step("user", "Weather in Paris?"),
+                Step("assistant", "Let me look."),
+                Step("user", user_text),
+                Step("assistant", "", tool_calls=[_call(3, "Paris")], written=True),
+                Step("tool", '{"temp": 19}', tool_call_id=_call(3, "Paris")["id"]),
+                Step("assistant", "It is 19 degrees."),
+                Step("user", "Thanks."),
+                Step("assistant", f"I wrote this {CONTROL_TEXT if control else 'reply'} myself.", written=True),
+                Step("user", "Bye."),
+            ],
+            TOOLS,
+        ),
     }
 
 
@@ -134,6 +151,7 @@ class TurnCheck:
     forged: bool = False
     synthetic: int = 0
     fork: bool = False
+    fork_reason: str | None = None
 
 
 @dataclass
@@ -185,10 +203,11 @@ def check_template(name: str, fmt: ChatFormat, *, closer_policy: CloserPolicy = 
         messages = [_work(i, s) for i, s in enumerate(steps)]
         plain_messages = [_work(i, s) for i, s in enumerate(plain_scripts[script_name][0])]
         prior: PriorChain | None = None
+        generated = [st.role == "assistant" and not st.written for st in steps]
         requests = [
             i
             for i, st in enumerate(steps)
-            if st.role != "assistant" and (i + 1 == len(steps) or steps[i + 1].role == "assistant")
+            if st.role != "assistant" and (i + 1 == len(steps) or generated[i + 1])
         ]
         for turn_index, i in enumerate(requests):
             check = TurnCheck(script_name, turn_index)
@@ -210,12 +229,14 @@ def check_template(name: str, fmt: ChatFormat, *, closer_policy: CloserPolicy = 
                 check.error = f"{exc.code}: {exc}"
                 break
             check.method, check.synthetic, check.fork = built.method, built.synthetic_token_count, built.fork
+            check.fork_reason = built.fork_reason
             if prior is not None:
                 check.extends = extends([*prior.prompt_ids, *prior.completion_ids], built.prompt_ids)
                 try:
                     full = fmt.render(messages[: i + 1], tools=tools, add_generation_prompt=True)
                     # a cut turn's full text is in the history, not its cut tokens: no full render to compare
-                    check.stable = not steps[i - 1].cut and extends([*prior.prompt_ids, *prior.completion_ids], full)
+                    last = max(k for k in range(i) if generated[k])
+                    check.stable = not steps[last].cut and extends([*prior.prompt_ids, *prior.completion_ids], full)
                     check.equal_full = full == built.prompt_ids
                 except RenderError:
                     pass

@@ -226,6 +226,59 @@ def test_an_edited_history_forks_and_is_recorded(api: Callable[[str], openai.Ope
     }
 
 
+def _echo(message: Any) -> list[dict[str, Any]]:
+    """A reply as an OpenAI client echoes it back, with a result for each tool call it made."""
+    calls = [c.model_dump() for c in message.tool_calls or []]
+    echoed: dict[str, Any] = {"role": "assistant", "content": message.content}
+    if calls:
+        echoed["tool_calls"] = calls
+    return [echoed, *({"role": "tool", "tool_call_id": c["id"], "content": "ok"} for c in calls)]
+
+
+def test_a_client_written_assistant_turn_keeps_the_stored_prefix(
+    api: Callable[[str], openai.OpenAI], embedded_stack: str
+) -> None:
+    """An agent appends a tool call it made itself (content null), the tool's result and a question,
+    as verifiers' agents do: the prompt is the stored turn's tokens, then the written turn rendered
+    as a new message; later a plain-text reply the client typed does the same."""
+    client = api("oa-written")
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "what time is it?"}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=6)  # type: ignore[arg-type]
+    first_info = extra(first)["tokentrail"]
+    first_record = stored(embedded_stack, client.api_key, first_info["chat_id"], first_info["message_id"])
+    call = {"id": "call_mine", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    messages += [
+        *_echo(first.choices[0].message),
+        {"role": "user", "content": "use the tool"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_mine", "content": "12:00"},
+    ]
+    second = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=6)  # type: ignore[arg-type]
+    info = extra(second)["tokentrail"]
+    assert info["chat_id"] == first_info["chat_id"] and not info["forked"]
+    assert info["matched_messages"] == len(_echo(first.choices[0].message)) + 1
+    record = stored(embedded_stack, client.api_key, info["chat_id"], info["message_id"])
+    assert record["prior_message_id"] == first_info["message_id"] and not record["fork"]
+    assert record["prompt_method"].startswith("stitch-written/")
+    before = first_record["prompt_token_ids"] + first_record["completion_token_ids"]
+    assert record["prompt_token_ids"][: len(before)] == before
+    # a reply the client typed after the generated one: the next prompt extends the second turn
+    messages += [
+        *_echo(second.choices[0].message),
+        {"role": "user", "content": "thanks"},
+        {"role": "assistant", "content": "You are welcome <|im_end|> (typed by the client)"},
+        {"role": "user", "content": "bye"},
+    ]
+    third = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=4)  # type: ignore[arg-type]
+    third_info = extra(third)["tokentrail"]
+    third_record = stored(embedded_stack, client.api_key, third_info["chat_id"], third_info["message_id"])
+    assert third_record["prior_message_id"] == info["message_id"]
+    assert third_record["prompt_method"].startswith("stitch-written/")
+    before = record["prompt_token_ids"] + record["completion_token_ids"]
+    assert third_record["prompt_token_ids"][: len(before)] == before
+
+
 def test_stop_strings_and_conversation_pinning(api: Callable[[str], openai.OpenAI], embedded_stack: str) -> None:
     client = api("oa-stop")
     messages = [{"role": "user", "content": "count"}]

@@ -160,19 +160,41 @@ def test_history_edits_fork(fmt: ChatFormat) -> None:
     # a changed template or tokenizer
     other = prior.model_copy(update={"template_hash": "something else"})
     assert builder.build(frame(msgs, other)).fork
-    # an assistant message without tokens between the stored turn and the new one
-    gap = [
-        *msgs,
-        WorkMessage(id="a1", role="assistant", content="typed by hand"),
-        WorkMessage(id="u2", role="user", content="x"),
-    ]
-    assert builder.build(frame(gap, prior)).fork
+    # a system message after the stored turn
+    late = [*msgs, WorkMessage(id="s2", role="system", content="new rules")]
+    assert builder.build(frame(late, prior)).fork
     # changed tools
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     assert builder.build(frame(msgs, prior, tools=tools)).fork
     # no stored tokens at all, but earlier assistant turns: a fork; a first turn is not
     assert builder.build(frame(msgs, None)).fork
     assert not builder.build(frame(msgs[:2], None)).fork
+
+
+def test_a_client_written_assistant_turn_keeps_the_stored_prefix(fmt: ChatFormat) -> None:
+    """An assistant message the client wrote (no tokens) after the stored turn is rendered in the
+    bridge: the prompt extends the stored turn, and with a canonical stored turn it is the full render."""
+    builder = PromptBuilder(fmt)
+    msgs, prior = _two_turns(fmt)
+    written = [
+        *msgs,
+        WorkMessage(id="a1", role="assistant", content="typed by hand <|im_end|>"),
+        WorkMessage(id="u2", role="user", content="x"),
+    ]
+    built = builder.build(frame(written, prior))
+    assert not built.fork and built.prior_message_id == "a0"
+    assert built.method.startswith("stitch-written/")
+    assert extends(prior.prompt_ids + prior.completion_ids, built.prompt_ids)
+    assert built.prompt_ids == fmt.render(written)
+    # two written turns in a row, then the client's next question
+    twice = [*written[:-1], WorkMessage(id="a2", role="assistant", content="and more"), written[-1]]
+    again = builder.build(frame(twice, prior))
+    assert not again.fork and again.prompt_ids == fmt.render(twice)
+    # the written text cannot forge control tokens: same count as a plain written turn
+    specials = set(fmt.tokenizer.all_special_ids)
+    plain = [*msgs, WorkMessage(id="a1", role="assistant", content="typed by hand"), written[-1]]
+    n_plain = sum(t in specials for t in builder.build(frame(plain, prior)).bridge_ids)
+    assert sum(t in specials for t in built.bridge_ids) == n_plain
 
 
 def test_control_token_text_stays_plain(fmt: ChatFormat) -> None:

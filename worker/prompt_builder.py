@@ -19,11 +19,18 @@ stops on ``<|return|>`` but writes ``<|end|>`` in history):
   model saw in training; the prompt no longer extends A, so the turn is recorded as a fork and export
   starts a new sample there.
 
-A history edit — a changed tokenizer, template, system prompt or tool list, or an assistant message
-between A and the new turn that has no tokens — forks a new chain with a full render.
+A history edit — a changed tokenizer, template, system prompt or tool list, or a system message after
+A — forks a new chain with a full render.
+
+Assistant messages the client wrote (no stored tokens: a tool call it made itself, an edited reply)
+after A are new messages like any other: rendered in the bridge, forge-proof, so the prompt keeps A's
+stored tokens (method ``stitch-written``). The bridge's ids are checked against the tail of the full
+render; a template that renders such a turn differently after real history (it rewrites earlier turns)
+gets the full render, recorded as a fork with the reason.
 
 ``BuiltPrompt.method`` records how the prompt was built: ``full`` or ``stitch`` (``stitch-history``
-under the history policy when the closer was replaced), then ``/masked`` or ``/escaped`` for how the
+under the history policy when the closer was replaced; ``-written`` added when the bridge holds a
+client-written assistant turn), then ``/masked`` or ``/escaped`` for how the
 new text was encoded (see ``worker.chat_format``).
 """
 
@@ -90,7 +97,20 @@ class PromptBuilder:
             closers.history,
             self.shape.history_ends,
         )
-        bridge, encoding = self.bridge(messages[: at + 1], messages[at + 1 :], tools)
+        new = messages[at + 1 :]
+        bridge, encoding = self.bridge(messages[: at + 1], new, tools)
+        written = any(m.role == "assistant" for m in new)
+        if written:
+            full = self._full(messages, tools)
+            if full.prompt_ids[len(full.prompt_ids) - len(bridge) :] != bridge:
+                # the template renders a written turn in a way that depends on the history before it
+                return BuiltPrompt(
+                    full.prompt_ids,
+                    fork=True,
+                    fork_reason="the chat template renders the client-written assistant turn differently after "
+                    "the stored turns",
+                    method=full.method,
+                )
         completion = prior.completion_ids
         closer: list[int] = list(end.missing)
         rewritten = end.kind == "generation" and self.closer_policy == "history"
@@ -106,7 +126,7 @@ class PromptBuilder:
             bridge_ids=tuple(bridge),
             fork=rewritten,
             fork_reason="the generation closer was replaced by the template's history closer" if rewritten else None,
-            method=f"{'stitch-history' if rewritten else 'stitch'}/{encoding}",
+            method=f"{'stitch-history' if rewritten else 'stitch'}{'-written' if written else ''}/{encoding}",
         )
 
     def _fork_reason(self, frame: WorkFrame) -> str | None:
@@ -126,8 +146,8 @@ class PromptBuilder:
         new = frame.messages[ids.index(prior.message_id) + 1 :]
         if not new:
             return "no new messages after the stored turn"
-        if any(m.role in ("assistant", "system") for m in new):
-            return "an assistant message without stored tokens follows the stored turn"
+        if any(m.role == "system" for m in new):
+            return "a system message follows the stored turn"
         return None
 
     def _full(self, messages: list[WorkMessage], tools: list[dict[str, Any]] | None) -> BuiltPrompt:

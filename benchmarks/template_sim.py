@@ -205,9 +205,7 @@ def check_template(name: str, fmt: ChatFormat, *, closer_policy: CloserPolicy = 
         prior: PriorChain | None = None
         generated = [st.role == "assistant" and not st.written for st in steps]
         requests = [
-            i
-            for i, st in enumerate(steps)
-            if st.role != "assistant" and (i + 1 == len(steps) or generated[i + 1])
+            i for i, st in enumerate(steps) if st.role != "assistant" and (i + 1 == len(steps) or generated[i + 1])
         ]
         for turn_index, i in enumerate(requests):
             check = TurnCheck(script_name, turn_index)

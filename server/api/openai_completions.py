@@ -292,8 +292,7 @@ async def generate(body: GenerateRequest, user: CurrentUser, session: SessionDep
             "output_mode 'text' requires sampling_params.detokenize to be true",
             param="output_mode",
         )
-    top = sp.logprobs or 0
-    sampling = sampling_params(sp, sp.max_tokens, top, prefix="sampling_params.")
+    sampling = sampling_params(sp, sp.max_tokens, sp.logprobs or 0, prefix="sampling_params.")
     await admit(state.settings, state.rate_limiter, session, user.id, model, sp.n)
     _chat, prompt_msg, msgs = await store_raw(
         session,
@@ -308,7 +307,7 @@ async def generate(body: GenerateRequest, user: CurrentUser, session: SessionDep
     state.paths.remember([prompt_msg])
     await enqueue(state, msgs)
     await session.close()
-    shape = _GenerateShape(body, body.request_id or f"gen-{msgs[0].id}", model, top)
+    shape = _GenerateShape(body, body.request_id or f"gen-{msgs[0].id}", model)
     if body.stream:
         return event_stream(_generate_stream(state, shape, [m.id for m in msgs]), state.metrics)
     results = await asyncio.gather(*(collect(state, m.id) for m in msgs))
@@ -350,12 +349,12 @@ async def generate(body: GenerateRequest, user: CurrentUser, session: SessionDep
 class _GenerateShape:
     """vLLM's generate response pieces for one request: the top fields and a choice's logprobs."""
 
-    def __init__(self, body: GenerateRequest, request_id: str, model: str, top: int) -> None:
+    def __init__(self, body: GenerateRequest, request_id: str, model: str) -> None:
         self.body = body
         self.request_id = request_id
         self.model = model
-        self.top = top
         self.want_lps = body.sampling_params.logprobs is not None
+        self.top = body.sampling_params.logprobs or 0
 
     def head(self) -> dict[str, Any]:
         return {"request_id": self.request_id, "model": self.model, "output_mode": self.body.output_mode}

@@ -51,6 +51,7 @@ import asyncio
 import contextlib
 import json
 import random
+import shlex
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -115,7 +116,9 @@ def run(args: argparse.Namespace) -> list[Point]:
                 points += engine_process(args.engine, _child_args(args, model_dir), sub)
             elif arm == "one-process":
                 say(f"tokentrail serve --model, one process, embedded ({args.engine})...")
-                with tokentrail_stack(sub, model_dir, max(levels), args.engine, one_process=True) as stack:
+                with tokentrail_stack(
+                    sub, model_dir, max(levels), args.engine, one_process=True, engine_args=args.engine_args
+                ) as stack:
                     # the server process holds the worker (and the hf engine); vLLM's engine core is its child
                     roles = [Role("server", stack.pids["server"], "engine_core")]
                     meter = CpuMeter(roles, client=True, profiler=profiler)
@@ -127,7 +130,12 @@ def run(args: argparse.Namespace) -> list[Point]:
                 services: contextlib.AbstractContextManager[dict[str, str]] = (
                     postgres_and_redis() if arm == "redis" else contextlib.nullcontext({})
                 )
-                with services as env, tokentrail_stack(sub, model_dir, max(levels), args.engine, env) as stack:
+                with (
+                    services as env,
+                    tokentrail_stack(
+                        sub, model_dir, max(levels), args.engine, env, engine_args=args.engine_args
+                    ) as stack,
+                ):
                     roles = [Role("server", stack.pids["server"]), Role("worker", stack.pids["worker"], "engine_core")]
                     meter = CpuMeter(roles, services=arm == "redis", client=True, profiler=profiler)
                     points += asyncio.run(
@@ -162,6 +170,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-build", action="store_true", help="time prompt builds after 1k / 8k / 32k tokens")
     ap.add_argument("--idle-streams", type=int, default=0, help="server memory per connected SSE reader (e.g. 5000)")
     ap.add_argument("--profile", type=Path, help="py-spy each process over each window; summaries + raw stacks here")
+    ap.add_argument(
+        "--engine-args",
+        type=shlex.split,
+        default=[],
+        help="more options for tokentrail's worker, e.g. '--vllm-chunked-prefill' (one quoted string)",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--plot", type=Path, help="write a PNG of tokens/s and TTFT against concurrency (matplotlib)")
     ap.add_argument("--engine-child", action="store_true", help=argparse.SUPPRESS)

@@ -9,7 +9,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,9 +39,11 @@ def tokentrail_stack(
     env: dict[str, str] | None = None,
     worker_cmd: list[str] | None = None,
     one_process: bool = False,
+    engine_args: Sequence[str] = (),
 ) -> Iterator[Stack]:
     """A server process and a worker process (``worker_cmd``: another worker program); ``one_process``:
-    ``tokentrail serve --model``, the worker inside the server's process (pids: the server only)."""
+    ``tokentrail serve --model``, the worker inside the server's process (pids: the server only);
+    ``engine_args``: more of the worker's options (``--vllm-chunked-prefill``)."""
     from server.admin import issue_user_key, issue_worker_key
     from server.settings import ServerSettings
 
@@ -58,7 +60,7 @@ def tokentrail_stack(
     # the engine's options, the same for a worker process and for serve --model
     program, extra = None, None
     model_args = ["--model", model_dir, "--served-model-name", MODEL, "--max-parallel", str(max_parallel),
-                  "--engine", engine]  # fmt: skip
+                  "--engine", engine, *engine_args]  # fmt: skip
     if engine == "vllm":
         program, extra = (vllm_python(), "-m", "tokentrail"), VLLM_ENV
         model_args += ["--max-model-len", str(MAX_MODEL_LEN), "--gpu-memory-utilization", "0.2"]

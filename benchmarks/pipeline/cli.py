@@ -174,7 +174,7 @@ def parser() -> argparse.ArgumentParser:
         "--engine-args",
         type=shlex.split,
         default=[],
-        help="more options for tokentrail's worker, e.g. '--vllm-chunked-prefill' (one quoted string)",
+        help="more options for tokentrail's worker, one string: --engine-args='--vllm-chunked-prefill'",
     )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--plot", type=Path, help="write a PNG of tokens/s and TTFT against concurrency (matplotlib)")

@@ -203,6 +203,27 @@ class CreateToolMessageRequest(BaseModel):
     content: str = Field(..., repr=False)
 
 
+class WrittenFunctionCall(BaseModel):
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    arguments: Annotated[str, Field(max_length=MAX_TOOL_ARGUMENTS_CHARS)] = "{}"  # JSON text, as OpenAI sends it
+
+
+class WrittenToolCall(BaseModel):
+    id: Annotated[str, Field(min_length=1, max_length=128)]
+    type: Literal["function"] = "function"
+    function: WrittenFunctionCall
+
+
+class CreateWrittenAssistantMessageRequest(BaseModel):
+    """An assistant message the client wrote itself (a tool call it made, a reply it typed; tokentrail):
+    context for later turns, never a completion. The next prompt keeps the stored tokens before it."""
+
+    parent_id: str
+    content: str = Field("", repr=False)
+    tool_calls: Annotated[list[WrittenToolCall], Field(max_length=128)] | None = None
+    reasoning_content: str | None = Field(None, repr=False)
+
+
 class ChatUpdateRequest(BaseModel):
     title: Annotated[str, Field(max_length=256)] | None = None
     hidden: bool | None = None

@@ -131,3 +131,79 @@ def test_tool_messages(embedded_stack: str, embedded_settings: ServerSettings) -
 def test_bad_chat_settings_are_422(embedded_stack: str, body: dict[str, Any]) -> None:
     headers = login(embedded_stack, "mt-dave")
     expect(httpx.post(f"{embedded_stack}/chats", json=body, headers=headers), 422, "validation_error")
+
+
+def test_a_written_assistant_message_keeps_the_stored_prefix(embedded_stack: str) -> None:
+    """The native API's client-written assistant message (a tool call the client made, then a reply it
+    typed): the next generated turns extend the last generated one, the written turns rendered after it."""
+    url = embedded_stack
+    headers = login(url, "mt-writer")
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    chat_id = httpx.post(f"{url}/chats", json={"tools": tools}, headers=headers).json()["id"]
+    _, first = turn(url, headers, chat_id, None, "what time is it?", max_new_tokens=6)
+    first_record = finish(url, headers, chat_id, first["id"])
+    ask = httpx.post(
+        f"{url}/chats/{chat_id}/prompter_message", json={"parent_id": first["id"], "content": "use it"}, headers=headers
+    ).json()
+    call = {"id": "call_mine", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    written = httpx.post(
+        f"{url}/chats/{chat_id}/written_assistant_message",
+        json={"parent_id": ask["id"], "content": "", "tool_calls": [call]},
+        headers=headers,
+    )
+    assert written.status_code == 200, written.text
+    assert written.json()["state"] == "manual" and written.json()["tool_calls"] == [call]
+    result = httpx.post(
+        f"{url}/chats/{chat_id}/tool_message",
+        json={"parent_id": written.json()["id"], "tool_call_id": "call_mine", "content": "12:00"},
+        headers=headers,
+    )
+    assert result.status_code == 200, result.text
+    reply = httpx.post(
+        f"{url}/chats/{chat_id}/assistant_message",
+        json={
+            "parent_id": result.json()["id"],
+            "model_config_name": MODEL,
+            "sampling_parameters": {"max_new_tokens": 6},
+        },
+        headers=headers,
+    ).json()
+    record = finish(url, headers, chat_id, reply["id"])
+    assert record["prior_message_id"] == first["id"] and not record["fork"]
+    assert record["prompt_method"].startswith("stitch-written/")
+    before = first_record["prompt_token_ids"] + first_record["completion_token_ids"]
+    assert record["prompt_token_ids"][: len(before)] == before
+    # a typed reply under a question, then the next question: a prompter message may follow it
+    ask2 = httpx.post(
+        f"{url}/chats/{chat_id}/prompter_message", json={"parent_id": reply["id"], "content": "ok?"}, headers=headers
+    ).json()
+    typed = httpx.post(
+        f"{url}/chats/{chat_id}/written_assistant_message",
+        json={"parent_id": ask2["id"], "content": "Typed by me <|im_end|>"},
+        headers=headers,
+    ).json()
+    _, last = turn(url, headers, chat_id, typed["id"], "and now?", max_new_tokens=4)
+    last_record = finish(url, headers, chat_id, last["id"])
+    assert last_record["prior_message_id"] == reply["id"]
+    assert last_record["prompt_method"].startswith("stitch-written/")
+    before = record["prompt_token_ids"] + record["completion_token_ids"]
+    assert last_record["prompt_token_ids"][: len(before)] == before
+    # a written message must follow a prompter message or a tool result; a bad tool call is a 422
+    expect(
+        httpx.post(
+            f"{url}/chats/{chat_id}/written_assistant_message",
+            json={"parent_id": typed["id"], "content": "x"},
+            headers=headers,
+        ),
+        409,
+        "parent_wrong_role",
+    )
+    expect(
+        httpx.post(
+            f"{url}/chats/{chat_id}/written_assistant_message",
+            json={"parent_id": ask2["id"], "tool_calls": [{"id": "", "function": {"name": "f"}}]},
+            headers=headers,
+        ),
+        422,
+        "validation_error",
+    )

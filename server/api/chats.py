@@ -23,6 +23,7 @@ from shared.api import (
     CreateChatRequest,
     CreatePrompterMessageRequest,
     CreateToolMessageRequest,
+    CreateWrittenAssistantMessageRequest,
     ListChatsResponse,
     MessageEvalRequest,
     MessageRead,
@@ -131,6 +132,23 @@ async def create_tool_message(
     """A tool's result for one call of the assistant message (or tool result) it follows."""
     _check_length(body.content)
     msg = await repo.add_tool_message(chat_id, body.parent_id, body.tool_call_id, body.content)
+    state.paths.remember([msg])
+    return message_to_read(msg)
+
+
+@router.post("/{chat_id}/written_assistant_message")
+async def create_written_assistant_message(
+    chat_id: str, body: CreateWrittenAssistantMessageRequest, repo: RepoDep, state: StateDep
+) -> MessageRead:
+    """An assistant message the client wrote itself (a tool call it made, a reply it typed): stored as
+    context (state ``manual``), never generated or exported as a completion. The next assistant
+    message's prompt keeps the stored tokens of the last generated turn and renders this one after
+    them (``prompt_method`` ``stitch-written``)."""
+    _check_length(body.content)
+    if body.reasoning_content is not None:
+        _check_length(body.reasoning_content)
+    calls = [c.model_dump() for c in body.tool_calls] if body.tool_calls else None
+    msg = await repo.add_written_assistant_message(chat_id, body.parent_id, body.content, calls, body.reasoning_content)
     state.paths.remember([msg])
     return message_to_read(msg)
 

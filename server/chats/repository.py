@@ -29,6 +29,9 @@ from shared.api import (
 from shared.errors import ErrorCode
 from shared.packing import unpack_floats, unpack_ids
 
+# assistant messages a conversation may go on from: generated and complete, or written by the client
+_CONTINUABLE = (MessageState.complete, MessageState.manual)
+
 
 def encode_cursor(chat_id: str) -> str:
     return base64.urlsafe_b64encode(chat_id.encode()).decode()
@@ -224,7 +227,7 @@ class ChatRepository:
             parent = await self.get_message(chat_id, parent_id)
             if parent.role != "assistant":
                 raise ApiError(ErrorCode.parent_wrong_role, "a prompter message must follow an assistant message")
-            if parent.state != MessageState.complete:
+            if parent.state not in _CONTINUABLE:
                 raise ApiError(ErrorCode.parent_not_complete, f"parent message is {parent.state}, not complete")
         msg = Message(chat_id=chat.id, parent_id=parent_id, role="prompter", content=content, state=MessageState.manual)
         await self._add(chat, msg)
@@ -251,6 +254,34 @@ class ChatRepository:
         await self._add(chat, msg)
         return msg
 
+    async def add_written_assistant_message(
+        self,
+        chat_id: str,
+        parent_id: str,
+        content: str,
+        tool_calls: list[dict[str, Any]] | None,
+        reasoning: str | None,
+    ) -> Message:
+        """An assistant message the client wrote: stored ``manual`` (context, never a completion)."""
+        chat = await self.get_chat(chat_id)
+        parent = await self.get_message(chat_id, parent_id)
+        if parent.role not in ("prompter", "tool"):
+            raise ApiError(
+                ErrorCode.parent_wrong_role,
+                "an assistant message must follow a prompter message or a tool result",
+            )
+        msg = Message(
+            chat_id=chat.id,
+            parent_id=parent.id,
+            role="assistant",
+            content=content,
+            tool_calls=tool_calls,
+            reasoning_content=reasoning,
+            state=MessageState.manual,
+        )
+        await self._add(chat, msg)
+        return msg
+
     async def add_tool_message(self, chat_id: str, parent_id: str, tool_call_id: str, content: str) -> Message:
         """A tool result follows the assistant message that made the call, or another tool result of it."""
         chat = await self.get_chat(chat_id)
@@ -260,7 +291,7 @@ class ChatRepository:
             caller = await self.get_message(chat_id, parent.parent_id or "")
         if caller.role != "assistant":
             raise ApiError(ErrorCode.parent_wrong_role, "a tool result must follow an assistant message or tool result")
-        if caller.state != MessageState.complete:
+        if caller.state not in _CONTINUABLE:
             raise ApiError(ErrorCode.parent_not_complete, f"the assistant message is {caller.state}, not complete")
         call_ids = {c.get("id") for c in caller.tool_calls or []}
         if tool_call_id not in call_ids:

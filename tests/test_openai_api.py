@@ -277,6 +277,20 @@ def test_a_client_written_assistant_turn_keeps_the_stored_prefix(
     assert third_record["prompt_method"].startswith("stitch-written/")
     before = record["prompt_token_ids"] + record["completion_token_ids"]
     assert third_record["prompt_token_ids"][: len(before)] == before
+    # verifiers' tokens route checks the client's prompt against the same stitched prompt
+    checked = httpx.post(
+        f"{embedded_stack}/v1/chat/completions/tokens",
+        json={
+            "model": MODEL,
+            "messages": messages,
+            "tools": tools,
+            "max_tokens": 2,
+            "tokens": third_record["prompt_token_ids"],
+        },
+        headers={"Authorization": f"Bearer {client.api_key}"},
+    )
+    assert checked.status_code == 200, checked.text
+    assert checked.json()["tokentrail"]["prompt_check"] == "match"
 
 
 def test_stop_strings_and_conversation_pinning(api: Callable[[str], openai.OpenAI], embedded_stack: str) -> None:

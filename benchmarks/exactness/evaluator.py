@@ -251,9 +251,13 @@ class Evaluator:
         controls = self.fmt.control_strings
 
         def clean(text: str | None) -> str | None:
+            if not text:
+                return text
             for c in controls:
-                text = text.replace(c, "") if text else text
-            return text
+                text = text.replace(c, "")
+            # a text that was only control strings (``</think>\n</think>``) would be empty or blank: the
+            # template may then drop or strip it so that no text is left to locate; a word stands in
+            return text if text.strip() else "x"
 
         # only the history: the new messages are what the bridge renders
         messages = [

@@ -213,3 +213,33 @@ def test_top_k_cut_ties_are_left_out_of_tfla_not_hidden() -> None:
     # an untied disagreement stays a disagreement
     summary = agreement([0.0157, 1e-6, 0.3], tied=[True, True, False])
     assert summary == Agreement(positions=2, disagreements=1, max_delta=0.3, cut_ties=1)
+
+
+def test_client_written_turns_are_scripted_and_mark_the_pairs_around_them() -> None:
+    from benchmarks.exactness.conversation import Conversation, Turn
+    from benchmarks.exactness.script import Script
+    from shared.protocol import WorkMessage
+
+    never = [Script.make(0, i, 6, ()) for i in range(20)]
+    assert all(s.written(t) is None for s in never for t in range(6))  # the default script has none
+    scripts = [Script.make(0, i, 6, (), written_share=0.5) for i in range(20)]
+    written = [(s, t, s.written(t)) for s in scripts for t in range(6)]
+    assert all(w is None for s, t, w in written if t == 0)  # never the first turn: nothing before it
+    kinds = {("tool" if w["tool_calls"] else "text") for _, _, w in written if w is not None}
+    assert kinds == {"tool", "text"}
+    for s, t, w in written:
+        assert w == s.written(t)  # seeded: both arms get the same script
+        if w is not None and w["tool_calls"]:
+            assert s.tools and w["tool_calls"][0]["function"]["name"] in {x["function"]["name"] for x in s.tools}
+            assert w["result"]
+
+    conv = Conversation("stitch", scripts[0])
+    roles = ["user", "assistant", "user", "assistant", "user", "assistant"]  # the middle one: the client's
+    conv.messages = [WorkMessage(id=f"m{i}", role=r, content="x") for i, r in enumerate(roles)]
+    conv.turns = [
+        Turn(at=1, new_from=0, turn=0, round=0, sampling={}),
+        Turn(at=5, new_from=2, turn=2, round=0, sampling={}),
+    ]
+    conv.turns[0].message_id, conv.turns[1].message_id = "m1", "m5"
+    assert conv.written_at() == [3]
+    assert conv.after_written() == [True]

@@ -38,6 +38,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--written",
+        type=float,
+        default=0.0,
+        help="share of user turns (after the first) where the client writes the assistant message itself "
+        "(a tool call it makes, then its result; or a typed reply) instead of asking the model",
+    )
+    parser.add_argument(
         "--api",
         choices=("chat", "openai"),
         default="chat",
@@ -82,6 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             concurrency=args.concurrency,
             train_steps=args.train_steps,
             closer_policy=args.closer_policy,
+            written=args.written,
         )
         return run_folder(args.folder, args.only, opts, args.json)
     args.conversations = args.conversations or 20
@@ -95,7 +103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     fmt = ChatFormat.load(model_dir)
     closers = PromptBuilder(fmt).shape.history_ends
     candidates = stop_candidates(fmt)
-    scripts = [Script.make(args.seed, i, args.turns, tuple(candidates)) for i in range(args.conversations)]
+    scripts = [
+        Script.make(args.seed, i, args.turns, tuple(candidates), args.written) for i in range(args.conversations)
+    ]
 
     start = time.monotonic()
     if loaded is not None:
@@ -116,6 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "template": args.template,
             "seed": args.seed,
             "turns": args.turns,
+            "written": args.written,
             "model_dir": model_dir,
             "engine": args.engine,
         }
@@ -129,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model_dir": model_dir,
         "conversations": args.conversations,
         "turns": args.turns,
+        "written": args.written,
         "seed": args.seed,
         "concurrency": args.concurrency,
         "api": args.api,

@@ -4,6 +4,7 @@ stored; ``--dump`` / ``--load`` as JSON.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -57,6 +58,17 @@ class Conversation:
     turns: list[Turn] = field(default_factory=list)  # completed turns only
     failed: list[Turn] = field(default_factory=list)
 
+    def written_at(self) -> list[int]:
+        """Indexes in ``messages`` of the assistant messages the client wrote itself (not generated)."""
+        generated = {t.message_id for t in [*self.turns, *self.failed]}
+        return [i for i, m in enumerate(self.messages) if m.role == "assistant" and m.id not in generated]
+
+    def after_written(self) -> list[bool]:
+        """Per turn after the first: whether a client-written assistant message lies between it and the
+        turn before (the pair a text pipeline breaks)."""
+        written = self.written_at()
+        return [any(prev.at < w < t.at for w in written) for prev, t in itertools.pairwise(self.turns)]
+
 
 def dump_conversations(convs: dict[str, list[Conversation]]) -> dict[str, Any]:
     """Everything driven, as JSON-ready data (``--dump``), for investigating a failure offline."""
@@ -81,7 +93,7 @@ def load_conversations(data: dict[str, Any]) -> dict[str, list[Conversation]]:
     for arm, convs in data["conversations"].items():
         out[arm] = []
         for c in convs:
-            script = Script(data["seed"], c["index"], c["system_prompt"], c["tools"], (), ())
+            script = Script(data["seed"], c["index"], c["system_prompt"], c["tools"], (), (), data.get("written", 0.0))
             conv = Conversation(arm, script, [WorkMessage.model_validate(m) for m in c["messages"]])
             for t in c["turns"]:
                 turn = Turn(**t)

@@ -84,6 +84,20 @@ async def run_conversation(client: httpx.AsyncClient, arm: str, script: Script) 
         user = await _post(client, f"/chats/{chat_id}/prompter_message", {"parent_id": parent, "content": text})
         msgs.append(WorkMessage(id=user["id"], role="user", content=text))
         ask_under = user["id"]
+        written = script.written(t)
+        if written is not None:
+            body = {"parent_id": ask_under, "content": written["content"], "tool_calls": written["tool_calls"]}
+            mine = await _post(client, f"/chats/{chat_id}/written_assistant_message", body)
+            msgs.append(WorkMessage(id=mine["id"], role="assistant", content=written["content"],
+                                    tool_calls=written["tool_calls"]))  # fmt: skip
+            if written["result"] is None:  # a typed reply: the next user message follows it
+                parent = mine["id"]
+                continue
+            call_id = written["tool_calls"][0]["id"]
+            body = {"parent_id": mine["id"], "tool_call_id": call_id, "content": written["result"]}
+            tool = await _post(client, f"/chats/{chat_id}/tool_message", body)
+            msgs.append(WorkMessage(id=tool["id"], role="tool", content=written["result"], tool_call_id=call_id))
+            ask_under = tool["id"]  # the model answers under the result of the client's own call
         for r in range(MAX_TOOL_ROUNDS + 1):
             turn = Turn(at=len(msgs), new_from=new_from, turn=t, round=r, sampling=script.sampling(t, r))
             await _generate(client, arm, chat_id, ask_under, turn)

@@ -87,6 +87,17 @@ async def run_conversation_openai(client: httpx.AsyncClient, arm: str, script: S
     for t, text in enumerate(script.user_texts):
         wire.append({"role": "user", "content": text})
         msgs.append(WorkMessage(id=f"user-{t}", role="user", content=text))
+        written = script.written(t)
+        if written is not None:  # the client's own assistant message, echoed like any other
+            calls = written["tool_calls"]
+            mine = {"role": "assistant", "content": written["content"] or None}
+            wire.append({**mine, "tool_calls": calls} if calls else mine)
+            msgs.append(WorkMessage(id=f"written-{t}", role="assistant", content=written["content"], tool_calls=calls))
+            if written["result"] is None:
+                continue
+            call_id, result = calls[0]["id"], written["result"]
+            wire.append({"role": "tool", "tool_call_id": call_id, "content": result})
+            msgs.append(WorkMessage(id=f"written-tool-{t}", role="tool", content=result, tool_call_id=call_id))
         for r in range(MAX_TOOL_ROUNDS + 1):
             turn = Turn(at=len(msgs), new_from=new_from, turn=t, round=r, sampling=script.sampling(t, r))
             echo = await _turn(client, arm, script, wire, turn)

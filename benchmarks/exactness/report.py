@@ -79,6 +79,11 @@ def print_table(config: dict[str, Any], reports: dict[str, ArmReport]) -> None:
     rows = [
         ("TEF  token exactness failure", _ratio(s["TEF"], s["TEF_counts"]), _ratio(n["TEF"], n["TEF_counts"])),
         ("EPB  extension property break", _ratio(s["EPB"], s["EPB_counts"]), _ratio(n["EPB"], n["EPB_counts"])),
+        (
+            "     across client-written turns",
+            _ratio(s["EPB_written"], s["EPB_written_counts"]),
+            _ratio(n["EPB_written"], n["EPB_written_counts"]),
+        ),
         ("SPR  samples per rollout", _ratio(s["SPR"]), _ratio(n["SPR"])),
         (
             f"TFLA positions |delta| > {TFLA_TOLERANCE:g}",

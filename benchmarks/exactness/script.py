@@ -44,6 +44,11 @@ _SYSTEM_PROMPTS = (
     "You are a careful assistant. Think before you answer.",
 )
 _TOPICS = ("the river", "a quiet garden", "the old train", "my computer", "the weather", "a music file")
+_WRITTEN_REPLIES = (
+    "Noted. I will keep that in mind.",
+    "Sure, here is my short answer: it depends on the day.",
+    "I checked it myself and it looks fine.",
+)
 _PLAIN_ASKS = (
     "Tell me about {topic}.",
     "What do you think of {topic}?",
@@ -75,9 +80,12 @@ class Script:
     tools: list[dict[str, Any]] | None
     user_texts: tuple[str, ...]
     stop_candidates: tuple[int, ...]
+    written_share: float = 0.0  # of user turns after the first where the client writes the assistant message
 
     @classmethod
-    def make(cls, seed: int, index: int, turns: int, stop_candidates: tuple[int, ...]) -> Script:
+    def make(
+        cls, seed: int, index: int, turns: int, stop_candidates: tuple[int, ...], written_share: float = 0.0
+    ) -> Script:
         rng = random.Random(f"exactness:{seed}:{index}")
         offered = rng.sample(_TOOLS, rng.choice((1, 2, 3))) if rng.random() < 0.5 else []
         system: str | None = None
@@ -96,7 +104,7 @@ class Script:
                 text = rng.choice((f"{text} Also, why does {literal} show up in my file?", f"{literal}\n{text}"))
             texts.append(text)
         tools = [tool_schema(*t) for t in offered] or None
-        return cls(seed, index, system, tools, tuple(texts), stop_candidates)
+        return cls(seed, index, system, tools, tuple(texts), stop_candidates, written_share)
 
     def _rng(self, *key: object) -> random.Random:
         return random.Random(":".join(map(str, ("exactness", self.seed, self.index, *key))))
@@ -117,6 +125,26 @@ class Script:
         if self.stop_candidates and rng.random() < 0.2:
             params["stop_token_ids"] = [rng.choice(self.stop_candidates)]
         return params
+
+    def written(self, turn: int) -> dict[str, Any] | None:
+        """The assistant message the client writes itself at user turn ``turn`` (an agent's own tool call,
+        a reply it typed), or None: the model answers. A written tool call is followed by its result and
+        then the model answers under it; a written reply takes the turn (the next user message follows it).
+        Never the first turn: a written turn is measured by the generated turns around it."""
+        rng = self._rng("written", turn)
+        if turn == 0 or rng.random() >= self.written_share:
+            return None
+        if self.tools and rng.random() < 0.5:
+            tool = rng.choice(self.tools)["function"]
+            args = {name: (rng.randint(1, 99) if spec.get("type") == "integer" else rng.choice(_CITIES))
+                    for name, spec in tool["parameters"]["properties"].items()}  # fmt: skip
+            call = {"id": f"call_w{turn}", "type": "function",
+                    "function": {"name": tool["name"], "arguments": json.dumps(args)}}  # fmt: skip
+            return {"content": "", "tool_calls": [call], "result": self.tool_result(turn, -1, 0, call)}
+        text = rng.choice(_WRITTEN_REPLIES)
+        if rng.random() < 0.3:
+            text = f"{text} {rng.choice(CONTROL_STRINGS)}"
+        return {"content": text, "tool_calls": None, "result": None}
 
     def tool_result(self, turn: int, round_: int, call_index: int, call: dict[str, Any]) -> str:
         rng = self._rng("tool", turn, round_, call_index)

@@ -49,6 +49,7 @@ class FolderOptions:
     concurrency: int
     train_steps: int
     closer_policy: str
+    written: float = 0.0  # share of user turns the client answers itself (Script.written)
 
 
 def select(folder: str, only: str | None) -> list[ZooTemplate]:
@@ -97,7 +98,7 @@ def template_row(
         return {**row, "error": f"model: {type(exc).__name__}: {str(exc)[:200]}"}
     built = time.monotonic() - start
     candidates = tuple(stop_candidates(fmt))
-    scripts = [Script.make(opts.seed, i, opts.turns, candidates) for i in range(opts.conversations)]
+    scripts = [Script.make(opts.seed, i, opts.turns, candidates, opts.written) for i in range(opts.conversations)]
     name = f"t{index}"
     extra = ["--closer-policy", opts.closer_policy]
     if template.kwargs:
@@ -126,6 +127,8 @@ def template_row(
             "synthetic": report.counts["synthetic_closer_turns"],
             "truncated": report.counts["truncated_turns"],
             "tool_call_turns": report.counts["tool_call_turns"],
+            "written": report.counts["client_written_turns"],
+            "epb_written": metrics["EPB_written_counts"],
             "forks": sum(1 for t in turns if t.stored.get("fork")),
             "methods": dict(Counter(str(t.stored.get("prompt_method")) for t in turns)),
             "examples": report.examples[:2],
@@ -154,9 +157,11 @@ def print_rows(config: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         f"turns each, seed {config['seed']}, models trained {config['train_steps']} steps, closer policy "
         f"{config['closer_policy']}; {config['wall_s']:.0f} s; * = tokens derived from the template text"
     )
+    written = bool(config.get("written"))  # a column for the client-written turns, when the script has them
     head = "template | served | rejected | failed | TEF | EPB | BF | TFLA max Δ | synthetic | forks | tools | methods"
+    head += " | written (EPB after)" if written else ""
     print(f"| {head} |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if written else ""))
     for r in rows:
         label = (r["family"] or r["template"]) + (" *" if r["derived"] else "")
         if "error" in r:
@@ -168,6 +173,7 @@ def print_rows(config: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         print(
             f"| {label} | {r['served']} | {r['rejected']} | {failed} | {_pair(r['tef'])} | {_pair(r['epb'])} | {bf} "
             f"| {r['tfla_max_abs_delta']:.2e} | {r['synthetic']} | {r['forks']} | {r['tool_call_turns']} | {methods} |"
+            + (f" {r['written']} ({_pair(r['epb_written'])}) |" if written else "")
         )
     ok = [r for r in rows if passed(r)]
     print(f"\n{len(ok)}/{len(rows)} templates: every turn served or rejected by the template, TEF 0, EPB 0, BF 0, "

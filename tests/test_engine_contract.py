@@ -1,8 +1,8 @@
 """Runs the engine contract suite (tests/engine_contract.py) against every engine.
 
-``hf`` runs with this interpreter; ``vllm`` runs with the vLLM environment's python (built by
-scripts/vllm_env.sh at $TOKENTRAIL_VLLM_VENV or ~/.cache/tokentrail/vllm-venv) and is skipped when that
-environment does not exist.
+``hf`` runs with this interpreter, on CPU and (where torch sees one) on CUDA; ``vllm`` runs with the vLLM
+environment's python (built by scripts/vllm_env.sh at $TOKENTRAIL_VLLM_VENV or ~/.cache/tokentrail/vllm-venv)
+and is skipped when that environment does not exist.
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ def contract_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(build_tiny_model(tmp_path_factory.mktemp("contract") / "tiny", train=False))
 
 
-def _run_suite(python: Path | str, engine: str, model: Path, timeout: int) -> None:
+def _run_suite(python: Path | str, engine: str, model: Path, timeout: int, options: tuple[str, ...] = ()) -> None:
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
     }
     proc = subprocess.run(
-        [str(python), str(SUITE), "--engine", engine, "--model", str(model)],
+        [str(python), str(SUITE), "--engine", engine, "--model", str(model), *options],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -52,6 +52,44 @@ def _run_suite(python: Path | str, engine: str, model: Path, timeout: int) -> No
 @pytest.mark.timeout(600)
 def test_hf_engine_contract(contract_model: Path) -> None:
     _run_suite(sys.executable, "hf", contract_model, timeout=580)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+@pytest.mark.timeout(600)
+def test_hf_engine_contract_on_cuda(contract_model: Path) -> None:
+    """The same suite with the engine and its teacher-forced reference on the GPU, float32, TF32 off."""
+    if not _cuda():
+        pytest.skip("torch sees no CUDA device")
+    _run_suite(sys.executable, "hf", contract_model, timeout=580, options=("--device", "cuda"))
+
+
+def test_cuda_without_a_gpu_fails_at_once(tmp_path: Path) -> None:
+    """``--device cuda`` where torch sees no GPU: one FAIL line and exit 1, before any model is loaded."""
+    if _cuda():
+        pytest.skip("a CUDA device is present")
+    proc = subprocess.run(
+        [sys.executable, str(SUITE), "--engine", "hf", "--model", str(tmp_path / "absent"), "--device", "cuda"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAIL hf setup: --device cuda" in proc.stdout, proc.stdout
+
+
+def test_tolerance_by_dtype() -> None:
+    from tests import engine_contract
+
+    assert engine_contract.tolerance("hf", "float32") == 1e-4
+    assert engine_contract.tolerance("vllm", "float32") == 1e-4
+    assert engine_contract.tolerance("hf", "bfloat16") > engine_contract.tolerance("hf", "float16") > 1e-4
 
 
 def _require_vllm() -> Path:

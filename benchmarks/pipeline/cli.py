@@ -3,7 +3,8 @@ conversations, sampling and closed-loop concurrency for every arm, one arm at a 
 
     python benchmarks/pipeline.py [--engine hf|vllm] [--arms engine,embedded,one-process,redis,vllm-serve]
         [--api oa,openai] [--workload single,agent] [--turns 8] [--stop fixed,natural] [--tokens 64]
-        [--concurrency 1,8,32] [--duration 20] [--seed-requests] [--run-seed N] [--json] [--plot FILE.png]
+        [--concurrency 1,8,32] [--duration 20] [--device cpu|cuda] [--dtype float32|bfloat16|float16]
+        [--seed-requests] [--run-seed N] [--json] [--json-out FILE.json] [--plot FILE.png]
     python benchmarks/pipeline.py --ceiling [--concurrency 32] [--readers 4] [--duration 10]
     python benchmarks/pipeline.py --prompt-build
     python benchmarks/pipeline.py --idle-streams 5000
@@ -26,7 +27,10 @@ user API key); ``--workload`` ``single`` (one turn per conversation, the same pr
 (``--turns``-turn closed-loop conversations echoing the history back as received, ~20-word user turns);
 ``--stop`` ``fixed`` (exactly ``--tokens`` tokens, end tokens ignored) or ``natural`` (at most
 ``--tokens``, the model's end token honoured). Temperature 1; no sampling seed unless
-``--seed-requests``.
+``--seed-requests``. ``--device``/``--dtype``: where the hf engine runs (the engine-alone arm's
+``HFEngine`` and tokentrail's worker, ``tokentrail worker --device --dtype``; vLLM picks its own device,
+``--dtype`` goes to it too when given). On CUDA the CPU figures are still per process: the CPU each
+process spent driving the GPU (kernel launches, synchronisation) per delivered token.
 
 Printed per arm, front door, workload, stop and concurrency: tokens/s delivered to clients, turns done,
 errors (a failed turn is counted and its client starts a new conversation), TTFT p50/p99 (the turn's
@@ -89,11 +93,18 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
     ]
 
 
+def _engine_options(args: argparse.Namespace) -> list[str]:
+    """The engine's placement, for the engine child and tokentrail's worker (the same option names):
+    ``--device`` for hf (vLLM picks its own), ``--dtype`` when given."""
+    out = ["--device", args.device] if args.engine == "hf" else []
+    return [*out, "--dtype", args.dtype] if args.dtype else out
+
+
 def _child_args(args: argparse.Namespace, model_dir: str) -> list[str]:
-    """The engine child's command line: the same workloads."""
+    """The engine child's command line: the same workloads, the same engine placement."""
     out = ["--engine", args.engine, "--model-dir", model_dir, "--concurrency", args.concurrency, "--tokens",
            str(args.tokens), "--duration", str(args.duration), "--workload", args.workload, "--stop", args.stop,
-           "--turns", str(args.turns), "--run-seed", str(args.run_seed)]  # fmt: skip
+           "--turns", str(args.turns), "--run-seed", str(args.run_seed), *_engine_options(args)]  # fmt: skip
     return [*out, "--seed-requests"] if args.seed_requests else out
 
 
@@ -105,6 +116,7 @@ def run(args: argparse.Namespace) -> list[Point]:
     loads = workloads(args)
     model_dir = args.model_dir or prepare_model("chatml")
     profiler = Profiler(args.profile) if args.profile else None
+    engine_args = [*_engine_options(args), *args.engine_args]  # the worker's: --device, --dtype, then the user's
     points: list[Point] = []
     with tempfile.TemporaryDirectory(prefix="tt-pipeline-") as tmp:
         work = Path(tmp)
@@ -117,7 +129,7 @@ def run(args: argparse.Namespace) -> list[Point]:
             elif arm == "one-process":
                 say(f"tokentrail serve --model, one process, embedded ({args.engine})...")
                 with tokentrail_stack(
-                    sub, model_dir, max(levels), args.engine, one_process=True, engine_args=args.engine_args
+                    sub, model_dir, max(levels), args.engine, one_process=True, engine_args=engine_args
                 ) as stack:
                     # the server process holds the worker (and the hf engine); vLLM's engine core is its child
                     roles = [Role("server", stack.pids["server"], "engine_core")]
@@ -132,9 +144,7 @@ def run(args: argparse.Namespace) -> list[Point]:
                 )
                 with (
                     services as env,
-                    tokentrail_stack(
-                        sub, model_dir, max(levels), args.engine, env, engine_args=args.engine_args
-                    ) as stack,
+                    tokentrail_stack(sub, model_dir, max(levels), args.engine, env, engine_args=engine_args) as stack,
                 ):
                     roles = [Role("server", stack.pids["server"]), Role("worker", stack.pids["worker"], "engine_core")]
                     meter = CpuMeter(roles, services=arm == "redis", client=True, profiler=profiler)
@@ -165,6 +175,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed-requests", action="store_true", help="send a sampling seed with every request")
     ap.add_argument("--run-seed", type=int, help="seed of the agent loops' user messages (default: random)")
     ap.add_argument("--model-dir", help="default: the trained tiny chatml model (built once, cached)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="hf: where the engine runs (both arms)")
+    ap.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], help="the engine's dtype (default: hf float32)"
+    )
     ap.add_argument("--ceiling", action="store_true", help="the pipeline's own ceiling with a synthetic engine")
     ap.add_argument("--readers", type=int, default=4, help="--ceiling: SSE readers per message")
     ap.add_argument("--prompt-build", action="store_true", help="time prompt builds after 1k / 8k / 32k tokens")
@@ -177,6 +191,7 @@ def parser() -> argparse.ArgumentParser:
         help="more options for tokentrail's worker, one string: --engine-args='--vllm-chunked-prefill'",
     )
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json-out", type=Path, help="also write the --json document to this file (any output mode)")
     ap.add_argument("--plot", type=Path, help="write a PNG of tokens/s and TTFT against concurrency (matplotlib)")
     ap.add_argument("--engine-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--synthetic-worker", action="store_true", help=argparse.SUPPRESS)
@@ -194,7 +209,11 @@ def main() -> int:
     if args.engine_child:
         from benchmarks.pipeline.engine import engine_points
 
-        points = asyncio.run(engine_points(args.engine, args.model_dir, workloads(args), _levels(args), args.duration))
+        points = asyncio.run(
+            engine_points(
+                args.engine, args.model_dir, workloads(args), _levels(args), args.duration, args.device, args.dtype
+            )
+        )
         print(json.dumps([asdict(p) for p in points]))
         return 0
     if args.synthetic_worker:
@@ -221,21 +240,26 @@ def main() -> int:
         model_dir = args.model_dir or prepare_model("chatml")
         points = run_ceiling(model_dir, _levels(args), tokens, args.duration, args.readers)
     else:
-        say(f"run seed {args.run_seed} (--run-seed)")
+        where = f" on {args.device}" if args.engine == "hf" else ""
+        say(f"run seed {args.run_seed} (--run-seed); engine {args.engine}{where}, dtype {args.dtype or 'default'}")
         points = run(args)
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "engine": args.engine,
-                    "run_seed": args.run_seed,
-                    "points": [summary(p) for p in points],
-                    "ratios": ratios(points),
-                    "checks": checks(points, args.engine),
-                }
-            )
+    if args.json or args.json_out:
+        document = json.dumps(
+            {
+                "engine": args.engine,
+                "device": args.device,
+                "dtype": args.dtype,
+                "run_seed": args.run_seed,
+                "points": [summary(p) for p in points],
+                "ratios": ratios(points),
+                "checks": checks(points, args.engine),
+            }
         )
-    else:
+        if args.json_out:
+            args.json_out.write_text(document + "\n", encoding="utf-8")
+        if args.json:
+            print(document)
+    if not args.json:
         print_report(points, args.engine)
     if args.plot:
         plot(points, args.plot)

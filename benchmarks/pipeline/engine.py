@@ -18,7 +18,13 @@ from benchmarks.pipeline.measure import Arrivals, CpuMeter, Point, Role, Window
 
 
 async def engine_points(
-    engine_name: str, model_dir: str, workloads: list[Workload], levels: list[int], duration: float
+    engine_name: str,
+    model_dir: str,
+    workloads: list[Workload],
+    levels: list[int],
+    duration: float,
+    device: str = "cpu",
+    dtype: str | None = None,
 ) -> list[Point]:
     from shared.protocol import WorkMessage
     from worker.chat_format import ChatFormat
@@ -28,11 +34,17 @@ async def engine_points(
     if engine_name == "vllm":
         from worker.engines.vllm import VLLMEngine
 
-        engine = VLLMEngine(model_dir, max_model_len=2048, gpu_memory_utilization=0.2, max_num_seqs=max(levels))
+        engine = VLLMEngine(
+            model_dir,
+            max_model_len=2048,
+            gpu_memory_utilization=0.2,
+            max_num_seqs=max(levels),
+            dtype=dtype or "auto",  # vLLM's own default unless --dtype
+        )
     else:
         from worker.engines.hf import HFEngine
 
-        engine = HFEngine(model_dir, max_batch_size=max(levels))
+        engine = HFEngine(model_dir, max_batch_size=max(levels), device=device, dtype=dtype or "float32")
     fmt = ChatFormat.load(model_dir)
     stops = set(fmt.stop_token_ids)
     rendered: dict[str, list[int]] = {}  # single-turn prompts, rendered once

@@ -16,12 +16,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from server import migrate
 from server.api.admin import router as admin_router
+from server.api.anthropic_messages import router as messages_router
 from server.api.auth import router as auth_router
 from server.api.chats import configs_router
 from server.api.chats import router as chats_router
 from server.api.deps import StateDep
 from server.api.openai_chat import router as openai_router
 from server.api.openai_completions import router as completions_router
+from server.api.openai_responses import router as responses_router
 from server.api.tokenizer import router as tokenizer_router
 from server.auth import TokenSigner
 from server.chats.admission import RateLimiter
@@ -184,7 +186,7 @@ def create_app(settings: ServerSettings, local_worker: LocalWorker | None = None
     app.include_router(health_router)
     for router in (auth_router, configs_router, chats_router, admin_router):
         app.include_router(router, responses=API_ERROR_RESPONSES)
-    for router in (openai_router, completions_router, tokenizer_router):
+    for router in (openai_router, completions_router, responses_router, messages_router, tokenizer_router):
         app.include_router(router, responses=OPENAI_ERROR_RESPONSES)
 
     web = Path(__file__).parent / "web"

@@ -200,3 +200,15 @@ def test_a_marker_that_flushes_an_incomplete_character_keeps_it() -> None:
             for opened in {False, parser.think is not None}:
                 whole = assert_views_equal(parser, ids, [], opened)
                 assert "\ufffd" in (whole.content or "") + (whole.reasoning_content or ""), (kind, names, whole)
+
+
+def test_bytes_pending_across_a_skipped_marker_hold_the_stream() -> None:
+    """An incomplete UTF-8 sequence before a special ``</think>``: the Rust detokenizer skips the marker
+    and flushes the bytes (as U+FFFD) with the next content token, though they belong to the reasoning.
+    The stream holds from the marker on; the finished message puts U+FFFD in the reasoning."""
+    tok = tokenizer("qwen-special")
+    byte = tok.convert_tokens_to_ids("¡")  # a byte-level piece that is not a whole character
+    ids = [tid("qwen-special", "<think>"), byte, tid("qwen-special", "</think>"), *enc("qwen-special", "!")]
+    parser = OutputParser.for_tokenizer(tok)
+    whole = assert_views_equal(parser, ids, [], False)
+    assert (whole.reasoning_content, whole.content) == ("\ufffd", "!")

@@ -417,6 +417,7 @@ class ChannelTracker:
         self._think_done = self._state == "reasoning"  # only the first block is reasoning
         self._block: list[int] = []  # the open tool-call block's ids
         self._visible = False  # non-whitespace content seen (a bare JSON call is the whole content)
+        self._pending = False  # the last ordinary token streamed "": its bytes may still come
 
     def feed(self, token_id: int, text: str) -> str:
         """The channel of the next token; ``text`` is what it adds to the streamed text."""
@@ -425,8 +426,13 @@ class ChannelTracker:
         if state == "held":
             return "t"
         marker = p._markers.get(token_id)
-        if (marker is not None or token_id in p._trailing) and not p.streams_alone(token_id, text):
-            return self._hold()  # it carries earlier text: which channel that is, the end decides
+        structural = marker is not None or token_id in p._trailing
+        if structural and (self._pending or not p.streams_alone(token_id, text)):
+            # It carries earlier text, or earlier bytes are still pending and will come out (as U+FFFD)
+            # on a token after it, in another channel than the one they belong to: the end decides.
+            return self._hold()
+        if not structural:
+            self._pending = not text
         if state == "reasoning":
             assert p.think is not None
             if token_id == p.think[1]:

@@ -32,11 +32,11 @@ import sys
 import traceback
 from typing import Any
 
-import httpx
 from verifiers.v1.clients.eval import EvalClient
 from verifiers.v1.configs.client import EvalClientConfig
 from verifiers.v1.dialects import ChatDialect
 from verifiers.v1.types import SamplingConfig
+from wire import WireLog, server_options  # this folder: on sys.path when run as a script
 
 API_KEY_VAR = "TOKENTRAIL_CLIENT_API_KEY"
 CHAT_PATH = "/v1/chat/completions"
@@ -116,33 +116,11 @@ def prime_rl_sampling(args: argparse.Namespace, turn: int) -> SamplingConfig:
     )
 
 
-class WireLog:
-    """The chat requests and responses of the client's httpx connection, in order."""
-
-    def __init__(self) -> None:
-        self.sent: list[dict[str, Any]] = []
-        self.received: list[dict[str, Any]] = []
-
-    async def on_request(self, request: httpx.Request) -> None:
-        if request.url.path.endswith(CHAT_PATH):
-            self.sent.append(json.loads(request.content))
-
-    async def on_response(self, response: httpx.Response) -> None:
-        if response.request.url.path.endswith(CHAT_PATH):
-            await response.aread()  # cached: the client reads the same bytes after the hook
-            try:
-                body = response.json()
-            except ValueError:
-                body = {"unparsed": response.text[:2000]}
-            self.received.append({"status": response.status_code, "body": body})
-
-
 async def run(args: argparse.Namespace) -> int:
     os.environ[API_KEY_VAR] = args.api_key
     client = EvalClient(EvalClientConfig(base_url=f"{args.base_url.rstrip('/')}/v1", api_key_var=API_KEY_VAR))
-    wire = WireLog()
-    client.client.event_hooks["request"].append(wire.on_request)
-    client.client.event_hooks["response"].append(wire.on_response)
+    wire = WireLog(CHAT_PATH)
+    wire.hook(client.client)
     dialect = ChatDialect()
 
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": FIRST_USER}]
@@ -198,9 +176,7 @@ async def run(args: argparse.Namespace) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base-url", required=True, help="the tokentrail server, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--api-key", required=True, help="a tokentrail user API key")
-    parser.add_argument("--model", required=True, help="the served model name")
+    server_options(parser)
     parser.add_argument("--tokenizer-dir", help="unused (the eval client sends messages); accepted like the others")
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=48)

@@ -55,6 +55,7 @@ from verifiers.legacy.types import (
     ToolMessage,
     UserMessage,
 )
+from wire import server_options  # this folder: on sys.path when run as a script
 
 API_KEY_VAR = "TOKENTRAIL_CLIENT_API_KEY"
 SYSTEM = "You are a terse assistant with a weather tool."
@@ -285,9 +286,7 @@ async def run(args: argparse.Namespace) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--client", required=True, choices=("token", "plain", "renderer"))
-    parser.add_argument("--base-url", required=True, help="the tokentrail server, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--api-key", required=True, help="a tokentrail user API key")
-    parser.add_argument("--model", required=True, help="the served model name")
+    server_options(parser)
     parser.add_argument("--tokenizer-dir", required=True, help="the model's directory (tokenizer + chat template)")
     parser.add_argument("--renderer", default="default", choices=("default", "qwen3"), help="renderer client only")
     parser.add_argument("--turns", type=int, default=6)

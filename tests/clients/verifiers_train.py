@@ -25,12 +25,12 @@ import sys
 import traceback
 from typing import Any
 
-import httpx
 from renderers import DefaultRendererConfig
 from verifiers.v1.clients.train import TrainClient
 from verifiers.v1.configs.client import TrainClientConfig
 from verifiers.v1.dialects import ChatDialect
 from verifiers.v1.types import SamplingConfig
+from wire import WireLog, server_options  # this folder: on sys.path when run as a script
 
 API_KEY_VAR = "TOKENTRAIL_CLIENT_API_KEY"
 GENERATE_PATH = "/inference/v1/generate"
@@ -44,27 +44,6 @@ USER_TURNS = [
 ]
 
 
-class WireLog:
-    """The generate requests and responses of the client's httpx connection, in order."""
-
-    def __init__(self) -> None:
-        self.sent: list[dict[str, Any]] = []
-        self.received: list[dict[str, Any]] = []
-
-    async def on_request(self, request: httpx.Request) -> None:
-        if request.url.path.endswith(GENERATE_PATH):
-            self.sent.append(json.loads(request.content))
-
-    async def on_response(self, response: httpx.Response) -> None:
-        if response.request.url.path.endswith(GENERATE_PATH):
-            await response.aread()  # cached: the SDK reads the same bytes after the hook
-            try:
-                body = response.json()
-            except ValueError:
-                body = {"unparsed": response.text[:2000]}
-            self.received.append({"status": response.status_code, "body": body})
-
-
 async def run(args: argparse.Namespace) -> int:
     os.environ[API_KEY_VAR] = args.api_key
     config = TrainClientConfig(
@@ -74,10 +53,9 @@ async def run(args: argparse.Namespace) -> int:
         renderer_model_name=args.tokenizer_dir,
     )
     client = TrainClient(config)
-    wire = WireLog()
+    wire = WireLog(GENERATE_PATH)
     http = client.client._client  # the SDK's httpx.AsyncClient (verifiers builds it: build_async_httpx)
-    http.event_hooks["request"].append(wire.on_request)
-    http.event_hooks["response"].append(wire.on_response)
+    wire.hook(http)
 
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a terse assistant."}]
     try:
@@ -130,9 +108,7 @@ async def run(args: argparse.Namespace) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base-url", required=True, help="the tokentrail server, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--api-key", required=True, help="a tokentrail user API key")
-    parser.add_argument("--model", required=True, help="the served model name")
+    server_options(parser)
     parser.add_argument("--tokenizer-dir", required=True, help="the model's directory (tokenizer + chat template)")
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=12)

@@ -1,6 +1,7 @@
 """The server's exceptions and their mapping to HTTP error bodies.
 
-What reaches a client, in OA's shape (OpenAI's, ``{"error": {...}}``, on the OpenAI paths):
+What reaches a client, in OA's shape (OpenAI's, ``{"error": {...}}``, on the OpenAI paths; Anthropic's,
+``{"type": "error", "error": {...}}``, on ``/v1/messages``):
 
 ApiError(code, detail)            -> {"detail": ..., "code": ...} with HTTP_STATUS[code]
 RequestValidationError (FastAPI)  -> 422 {"detail": [...], "code": "validation_error"} (OpenAI: 400)
@@ -103,6 +104,39 @@ def openai_error_body(status: int, message: str, code: str, param: str | None = 
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+# ``/v1/messages`` (Anthropic's Messages API) answers in Anthropic's shape instead:
+# {"type": "error", "error": {"type", "message"}} (plus tokentrail's ``code`` and ``param``).
+_ANTHROPIC_PATH = "/v1/messages"
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == _ANTHROPIC_PATH or path.startswith(_ANTHROPIC_PATH + "/")
+
+
+def anthropic_error_body(status: int, message: str, code: str, param: str | None = None) -> dict[str, object]:
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message, "code": code, "param": param}}
+
+
+def v1_error_body(path: str, status: int, message: str, code: str, param: str | None = None) -> dict[str, object]:
+    """The error body of an OpenAI-compatible path: Anthropic's shape on ``/v1/messages``."""
+    if is_anthropic_path(path):
+        return anthropic_error_body(status, message, code, param)
+    return openai_error_body(status, message, code, param)
+
+
 def _loc(loc: tuple[object, ...] | list[object]) -> str | None:
     parts = [str(p) for p in loc if p != "body"]
     return ".".join(parts) or None
@@ -121,7 +155,7 @@ def install_error_handlers(app: FastAPI) -> None:
         count_error(request, exc.code.value)
         if is_openai_path(request.url.path):  # OpenAI answers every invalid field with 400, not 422
             status = 400 if exc.status_code == 422 else exc.status_code
-            body = openai_error_body(status, exc.detail, exc.code.value, exc.param)
+            body = v1_error_body(request.url.path, status, exc.detail, exc.code.value, exc.param)
             return JSONResponse(body, status_code=status, headers=exc.headers)
         return JSONResponse(
             {"detail": exc.detail, "code": exc.code.value}, status_code=exc.status_code, headers=exc.headers
@@ -134,7 +168,7 @@ def install_error_handlers(app: FastAPI) -> None:
         if is_openai_path(request.url.path):  # OpenAI and vLLM answer a malformed body with 400
             first = errors[0] if errors else {}
             message = "; ".join(f"{_loc(e.get('loc', ())) or 'body'}: {e.get('msg')}" for e in errors[:5])
-            body = openai_error_body(400, message or "invalid request", ErrorCode.validation_error.value)
+            body = v1_error_body(request.url.path, 400, message or "invalid request", ErrorCode.validation_error.value)
             body["error"]["param"] = _loc(first.get("loc", ()))  # type: ignore[index]
             return JSONResponse(body, status_code=400)
         # Oversized content is a size problem (413), not a shape problem.
@@ -160,7 +194,9 @@ def install_error_handlers(app: FastAPI) -> None:
         if is_openai_path(request.url.path):
             code = ErrorCode.not_found.value if exc.status_code == 404 else ErrorCode.bad_request.value
             return JSONResponse(
-                openai_error_body(exc.status_code, str(exc.detail), code), status_code=exc.status_code, headers=headers
+                v1_error_body(request.url.path, exc.status_code, str(exc.detail), code),
+                status_code=exc.status_code,
+                headers=headers,
             )
         code = {404: ErrorCode.bad_request, 405: ErrorCode.bad_request}.get(exc.status_code, ErrorCode.bad_request)
         return JSONResponse(
@@ -177,11 +213,11 @@ def install_error_handlers(app: FastAPI) -> None:
             detail = "a backing service (database or Redis) is unavailable; retry shortly"
             headers = {"Retry-After": str(RETRY_AFTER_S)}
             if is_openai_path(request.url.path):
-                body = openai_error_body(503, detail, ErrorCode.not_ready.value)
+                body = v1_error_body(request.url.path, 503, detail, ErrorCode.not_ready.value)
                 return JSONResponse(body, status_code=503, headers=headers)
             return JSONResponse({"detail": detail, "code": ErrorCode.not_ready.value}, status_code=503, headers=headers)
         log.exception("unhandled error", exc_info=exc)
         if is_openai_path(request.url.path):
-            body = openai_error_body(500, "internal error", ErrorCode.internal_error.value)
+            body = v1_error_body(request.url.path, 500, "internal error", ErrorCode.internal_error.value)
             return JSONResponse(body, status_code=500)
         return JSONResponse({"detail": "internal error", "code": ErrorCode.internal_error.value}, status_code=500)

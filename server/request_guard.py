@@ -18,7 +18,7 @@ import orjson
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import RETRY_STATUSES, is_openai_path, openai_error_body
+from server.errors import RETRY_STATUSES, is_openai_path, v1_error_body
 from server.outages import RETRY_AFTER_S
 from shared.errors import HTTP_STATUS, ErrorCode
 
@@ -112,7 +112,7 @@ class RequestGuard:
     ) -> None:
         status = HTTP_STATUS[code]
         body: dict[str, object] = (
-            openai_error_body(status, detail, code.value)
+            v1_error_body(scope["path"], status, detail, code.value)
             if is_openai_path(scope["path"])
             else {"detail": detail, "code": code.value}
         )

@@ -91,8 +91,17 @@ async def _lookup_user(token: str, state: AppState, session: AsyncSession) -> Us
     return user
 
 
+def request_token(request: Request) -> str:
+    """The bearer token; without an Authorization header, the API key of ``x-api-key`` (Anthropic's SDK
+    sends its key so)."""
+    key = request.headers.get("x-api-key", "").strip()
+    if key and "authorization" not in request.headers:
+        return key
+    return bearer_token(request)
+
+
 async def get_current_user(request: Request, state: StateDep, session: SessionDep) -> User:
-    return await user_for_token(bearer_token(request), state, session)
+    return await user_for_token(request_token(request), state, session)
 
 
 CurrentUser = Annotated[User, Depends(get_current_user)]

@@ -22,6 +22,7 @@ from server.settings import ServerSettings
 from tests.stack import MODEL, ServerThread, WorkerThread, worker_key
 from tests.test_export import run_cli
 from tokentrail.launcher import free_port
+from tokentrail.trajectory import Trajectory
 
 WEATHER = {
     "name": "get_weather",
@@ -184,6 +185,8 @@ def test_agent_loop_echoing_blocks_keeps_the_stored_prefix(
     key = str(api.api_key)
     messages: list[dict[str, Any]] = []
     records: list[dict[str, Any]] = []
+    traj = Trajectory()  # the client-side record of the same episode (its non-streamed turns)
+    added: list[dict[str, Any]] = []
     tool_turns = 0
     plan = [
         ("What is the weather in Oslo?", None),
@@ -237,6 +240,9 @@ def test_agent_loop_echoing_blocks_keeps_the_stored_prefix(
             if written is not None and k == 0:
                 assert record["prompt_method"].startswith("stitch-written/"), record["prompt_method"]
             records.append(record)
+            if (t + k) % 2 == 0:  # the stream helper's final message drops the extension fields
+                traj.add(reply)
+                added.append(record)
             messages += _echo(reply)
             if reply.stop_reason != "tool_use":
                 break
@@ -249,6 +255,13 @@ def test_agent_loop_echoing_blocks_keeps_the_stored_prefix(
     assert len({r["chat_id"] for r in records}) == 1
     assert tool_turns >= 1, "the trained model made no tool call: the loop did not exercise tool_use turns"
     assert any(r["reasoning_content"] for r in records), "no reasoning: thinking blocks were not exercised"
+    # tokentrail.trajectory reads Anthropic messages as it reads chat completions: one sample, the stored ids
+    rollout = traj.rollout()
+    assert len(rollout.samples) == 1 and rollout.chat_id == records[0]["chat_id"] and len(added) >= 2
+    assert [t.completion_ids for t in rollout.turns] == [r["completion_token_ids"] for r in added]
+    assert [t.logprobs for t in rollout.turns] == [r["logprobs"] for r in added]
+    finishes = ["tool_calls" if r["tool_calls"] else r["finish_reason"] for r in added]  # as chat completions say
+    assert [t.finish_reason for t in rollout.turns] == finishes
     # exported like any chat: one rollout, one sample, and teacher-forcing verifies its logprobs
     settings, model_dir = stack[1:]
     out = tmp_path / "agent.jsonl"

@@ -26,6 +26,7 @@ from server.admin import issue_user_key
 from server.settings import ServerSettings
 from tests.stack import MODEL, ServerThread, WorkerThread, worker_key
 from tokentrail.launcher import free_port
+from tokentrail.trajectory import Trajectory
 
 WEATHER = {
     "type": "function",
@@ -274,6 +275,7 @@ def test_previous_response_id_continues_the_stored_tree(api: Callable[[str], ope
     url, _ = stack
     client = api("rs-previous")
     records: list[dict[str, Any]] = []
+    traj = Trajectory()  # the client-side record of the same episode
     previous = None
     new_input: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Oslo?"}]
     for t in range(4):
@@ -286,10 +288,16 @@ def test_previous_response_id_continues_the_stored_tree(api: Callable[[str], ope
         record = stored(url, client.api_key, body["tokentrail"])
         check_record(body, record)
         records.append(record)
+        traj.add(body)
         _, results = _echo(body["output"])
         new_input = results or [{"role": "user", "content": f"And now {t}?"}]
         previous = body["id"]
     _assert_stitched(records)
+    # tokentrail.trajectory reads Responses objects as it reads chat completions: one sample, the stored ids
+    rollout = traj.rollout()
+    assert len(rollout.samples) == 1 and rollout.chat_id == records[0]["chat_id"]
+    assert [t.completion_ids for t in rollout.turns] == [r["completion_token_ids"] for r in records]
+    assert [t.logprobs for t in rollout.turns] == [r["logprobs"] for r in records]
     # a stream continues it too
     stream = client.responses.create(
         model=MODEL, input=new_input, previous_response_id=previous, max_output_tokens=8, stream=True

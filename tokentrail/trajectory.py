@@ -1,9 +1,11 @@
-"""Client-side trajectories from OpenAI-API responses, for users who keep their own rollouts.
+"""Client-side trajectories from API responses, for users who keep their own rollouts.
 
-``Trajectory.add(response)`` takes a chat completion from tokentrail's ``/v1/chat/completions`` (the
-SDK's object or its JSON) and records the turn with the prompt token ids the server actually used,
-the generated token ids and their logprobs. ``rollout()`` returns a native rollout record
-(``shared.rollout.Rollout``, the schema ``tokentrail export`` writes): turns whose prompt extends the
+``Trajectory.add(response)`` takes a response of any of tokentrail's three dialects (the SDK's object or
+its JSON): a chat completion (``/v1/chat/completions``), a Responses object (``/v1/responses``: the token
+fields on its last output item) or an Anthropic message (``/v1/messages``), and records the turn with
+the prompt token ids the server actually used, the generated token ids and their logprobs.
+``rollout()`` returns a native rollout record (``shared.rollout.Rollout``, the schema ``tokentrail
+export`` writes): turns whose prompt extends the
 previous turn's prompt + completion merge into one training sample, with a loss mask on generated
 tokens only. Nothing here talks to the server or needs its dependencies::
 
@@ -19,6 +21,7 @@ Without ``logprobs=True`` in the request the logprobs are None (the tokens are s
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,9 +40,78 @@ def _as_dict(response: Any) -> Mapping[str, Any]:
         return response
     dump = getattr(response, "model_dump", None)
     if dump is None:
-        raise TypeError("expected a chat completion (SDK object or dict)")
+        raise TypeError("expected a chat completion, a Responses object or an Anthropic message (SDK object or dict)")
     data: Mapping[str, Any] = dump()
     return data
+
+
+_ANTHROPIC_FINISH = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length", "tool_use": "tool_calls"}
+
+
+def _as_chat_completion(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A Responses object or an Anthropic message as the chat completion the same stored turn makes."""
+    if data.get("object") == "response":
+        output = list(data.get("output") or [])
+        fields = output[-1] if output else {}
+        text = "".join(
+            part.get("text") or ""
+            for item in output
+            if item.get("type") == "message"
+            for part in item.get("content") or []
+        )
+        reasoning = "".join(
+            part.get("text") or ""
+            for item in output
+            if item.get("type") == "reasoning"
+            for part in item.get("summary") or []
+        )
+        calls = [
+            {
+                "id": i.get("call_id"),
+                "type": "function",
+                "function": {"name": i.get("name"), "arguments": i.get("arguments")},
+            }
+            for i in output
+            if i.get("type") == "function_call"
+        ]
+        incomplete = (data.get("incomplete_details") or {}).get("reason") == "max_output_tokens"
+        finish = "length" if incomplete else ("tool_calls" if calls else "stop")
+        message = {"content": text or None, "reasoning_content": reasoning or None, "tool_calls": calls or None}
+    elif data.get("type") == "message" and "content" in data:
+        fields = data
+        blocks = list(data.get("content") or [])
+        calls = [
+            {
+                "id": b.get("id"),
+                "type": "function",
+                "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input"))},
+            }
+            for b in blocks
+            if b.get("type") == "tool_use"
+        ]
+        message = {
+            "content": "".join(b.get("text") or "" for b in blocks if b.get("type") == "text") or None,
+            "reasoning_content": "".join(b.get("thinking") or "" for b in blocks if b.get("type") == "thinking")
+            or None,
+            "tool_calls": calls or None,
+        }
+        finish = _ANTHROPIC_FINISH.get(str(data.get("stop_reason")), str(data.get("stop_reason") or ""))
+    else:
+        return data
+    ids, lps = fields.get("generation_token_ids"), fields.get("generation_log_probs")
+    choice = {
+        "token_ids": ids,
+        "logprobs": {"content": [{"logprob": lp} for lp in lps]} if lps is not None else None,
+        "finish_reason": finish,
+        "message": message,
+    }
+    prompt = fields.get("prompt_token_ids")
+    return {
+        "prompt_token_ids": prompt,
+        "choices": [choice],
+        "tokentrail": data.get("tokentrail"),
+        "model": data.get("model"),
+    }
 
 
 class Trajectory:
@@ -51,7 +123,7 @@ class Trajectory:
         self.model = ""
 
     def add(self, response: Any, *, reward: float | None = None) -> TurnRecord:
-        data = _as_dict(response)
+        data = _as_chat_completion(_as_dict(response))
         prompt = data.get("prompt_token_ids")
         choices = data.get("choices") or []
         if prompt is None or len(choices) <= self.choice or choices[self.choice].get("token_ids") is None:

@@ -2,8 +2,13 @@
 
     python benchmarks/exactness.py [--conversations 20] [--turns 4] [--template chatml|llama3|FAMILY|FILE.jinja]
                                    [--seed 0] [--concurrency 8] [--engine hf|vllm] [--closer-policy keep|history]
-                                   [--json]
-    python benchmarks/exactness.py --folder all|llama.cpp|vllm|DIR [--only a,b] [--train-steps 100] [--json]
+                                   [--api chat|openai|responses|messages] [--written SHARE] [--json]
+    python benchmarks/exactness.py --folder all|llama.cpp|vllm|DIR [--only a,b] [--train-steps 100]
+                                   [--written SHARE] [--json]
+
+``--api``: the native chat API (default), ``/v1/chat/completions`` (``openai.py``), ``/v1/responses`` or
+``/v1/messages`` (``dialects.py``), each driven as an unmodified client of that dialect. ``--written``:
+the share of user turns the client answers itself (``Script.written``).
 
 ``--folder`` runs the stitch arm on every template of a folder, one row each (``zoo.py``);
 ``--template FAMILY`` one real template of ``benchmarks/template_zoo.FAMILIES`` (e.g. ``gpt-oss``) with its

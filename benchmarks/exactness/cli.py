@@ -46,9 +46,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--api",
-        choices=("chat", "openai"),
+        choices=("chat", "openai", "responses", "messages"),
         default="chat",
-        help="drive conversations through the chat API (default) or /v1/chat/completions with messages only",
+        help="drive conversations through the chat API (default), /v1/chat/completions with messages only, "
+        "/v1/responses or /v1/messages",
     )
     parser.add_argument("--concurrency", type=int, default=8, help="conversations at a time per arm")
     parser.add_argument(

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any
 
 import httpx
 
 from benchmarks.exactness.conversation import Conversation, Turn
+from benchmarks.exactness.dialects import MESSAGES, RESPONSES, run_conversation_dialect
 from benchmarks.exactness.openai import run_conversation_openai
 from benchmarks.exactness.script import MAX_TOOL_ROUNDS, Script
 from benchmarks.progress import say
@@ -125,8 +127,15 @@ async def run_conversation(client: httpx.AsyncClient, arm: str, script: Script) 
 async def drive(
     url: str, scripts: list[Script], concurrency: int, arms: Sequence[str], api: str = "chat"
 ) -> dict[str, list[Conversation]]:
-    """Run every script on every arm; ``api`` "openai" sends them through ``/v1/chat/completions``."""
-    runner = run_conversation_openai if api == "openai" else run_conversation
+    """Run every script on every arm; ``api``: "chat" (the native API), "openai" (``/v1/chat/completions``),
+    "responses" (``/v1/responses``) or "messages" (``/v1/messages``)."""
+    runners: dict[str, Callable[[httpx.AsyncClient, str, Script], Awaitable[Conversation]]] = {
+        "chat": run_conversation,
+        "openai": run_conversation_openai,
+        "responses": functools.partial(run_conversation_dialect, RESPONSES),
+        "messages": functools.partial(run_conversation_dialect, MESSAGES),
+    }
+    runner = runners[api]
     timeout = httpx.Timeout(60.0, read=600.0)
     async with httpx.AsyncClient(base_url=url, timeout=timeout) as client:
         resp = await client.get("/auth/callback/debug", params={"code": "exactness"})

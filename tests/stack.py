@@ -171,18 +171,28 @@ def fake_hello(model: str, *, engine: str = "none", capacity: int = 1, vocab_siz
 
 
 @contextlib.contextmanager
-def serving(data_dir: Path, model: str, model_dir: str) -> Iterator[str]:
+def hf_stack(
+    data_dir: Path, model_dir: str | Path, model: str = MODEL, max_batch_size: int = 16
+) -> Iterator[tuple[str, ServerSettings]]:
     """A server on embedded defaults (thread) with one hf worker (thread) offering ``model_dir`` as
-    ``model``; yields the server URL."""
+    ``model``; yields the server URL and its settings."""
     from worker.engines.hf import HFEngine
 
     settings = ServerSettings(data_dir=data_dir, port=free_port())
     server = ServerThread(settings).start()
-    fmt = ChatFormat.load(model_dir)
-    worker = WorkerThread(server.url, worker_key(settings), model, fmt, lambda: HFEngine(model_dir))
+    fmt = ChatFormat.load(str(model_dir))
+    engine = lambda: HFEngine(str(model_dir), max_batch_size=max_batch_size)  # noqa: E731
+    worker = WorkerThread(server.url, worker_key(settings), model, fmt, engine)
     try:
         worker.start()
-        yield server.url
+        yield server.url, settings
     finally:
         worker.stop()
         server.stop()
+
+
+@contextlib.contextmanager
+def serving(data_dir: Path, model: str, model_dir: str) -> Iterator[str]:
+    """``hf_stack``'s URL alone."""
+    with hf_stack(data_dir, model_dir, model) as (url, _):
+        yield url

@@ -18,10 +18,8 @@ import httpx
 import pytest
 
 from server.admin import issue_user_key
-from server.settings import ServerSettings
-from tests.stack import MODEL, ServerThread, WorkerThread, worker_key
+from tests.stack import MODEL, hf_stack
 from tests.test_export import run_cli
-from tokentrail.launcher import free_port
 from tokentrail.trajectory import Trajectory
 
 WEATHER = {
@@ -35,19 +33,9 @@ HOT = {"temperature": 0.7}
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, trained_model: Callable[[str], Path]) -> Iterator[Any]:
-    from worker.chat_format import ChatFormat
-    from worker.engines.hf import HFEngine
-
     model_dir = trained_model("chatml")
-    settings = ServerSettings(data_dir=tmp_path_factory.mktemp("anthropic"), port=free_port())
-    server = ServerThread(settings).start()
-    fmt = ChatFormat.load(str(model_dir))
-    worker = WorkerThread(
-        server.url, worker_key(settings), MODEL, fmt, lambda: HFEngine(str(model_dir), max_batch_size=4)
-    ).start()
-    yield server.url, settings, model_dir
-    worker.stop()
-    server.stop()
+    with hf_stack(tmp_path_factory.mktemp("anthropic"), model_dir, max_batch_size=4) as (url, settings):
+        yield url, settings, model_dir
 
 
 @pytest.fixture(scope="module")

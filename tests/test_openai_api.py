@@ -20,9 +20,8 @@ import pytest
 
 from server.admin import issue_user_key
 from server.settings import ServerSettings
-from tests.stack import MODEL, ServerThread, WorkerThread, worker_key
+from tests.stack import MODEL, hf_stack
 from tests.test_export import run_cli
-from tokentrail.launcher import free_port
 from tokentrail.trajectory import Trajectory
 
 
@@ -353,19 +352,9 @@ def test_concurrent_agents_do_not_cross_match(api: Callable[[str], openai.OpenAI
 # ---- an agent loop on a model that calls tools ----------------------------------------------------
 @pytest.fixture(scope="module")
 def agent_stack(tmp_path_factory: pytest.TempPathFactory, trained_model: Callable[[str], Path]) -> Iterator[Any]:
-    from worker.chat_format import ChatFormat
-    from worker.engines.hf import HFEngine
-
     model_dir = trained_model("chatml")
-    settings = ServerSettings(data_dir=tmp_path_factory.mktemp("oa-agent"), port=free_port())
-    server = ServerThread(settings).start()
-    fmt = ChatFormat.load(str(model_dir))
-    worker = WorkerThread(
-        server.url, worker_key(settings), MODEL, fmt, lambda: HFEngine(str(model_dir), max_batch_size=4)
-    ).start()
-    yield server.url, settings, model_dir
-    worker.stop()
-    server.stop()
+    with hf_stack(tmp_path_factory.mktemp("oa-agent"), model_dir, max_batch_size=4) as (url, settings):
+        yield url, settings, model_dir
 
 
 WEATHER = {

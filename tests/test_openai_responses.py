@@ -23,9 +23,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
 from server.admin import issue_user_key
-from server.settings import ServerSettings
-from tests.stack import MODEL, ServerThread, WorkerThread, worker_key
-from tokentrail.launcher import free_port
+from tests.stack import MODEL, hf_stack
 from tokentrail.trajectory import Trajectory
 
 WEATHER = {
@@ -39,19 +37,9 @@ EVENTS = pydantic.TypeAdapter(ResponseStreamEvent)
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, trained_model: Callable[[str], Path]) -> Iterator[Any]:
-    from worker.chat_format import ChatFormat
-    from worker.engines.hf import HFEngine
-
     model_dir = trained_model("chatml")
-    settings = ServerSettings(data_dir=tmp_path_factory.mktemp("responses"), port=free_port())
-    server = ServerThread(settings).start()
-    fmt = ChatFormat.load(str(model_dir))
-    worker = WorkerThread(
-        server.url, worker_key(settings), MODEL, fmt, lambda: HFEngine(str(model_dir), max_batch_size=4)
-    ).start()
-    yield server.url, settings
-    worker.stop()
-    server.stop()
+    with hf_stack(tmp_path_factory.mktemp("responses"), model_dir, max_batch_size=4) as (url, settings):
+        yield url, settings
 
 
 @pytest.fixture(scope="module")

@@ -16,37 +16,22 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 
 from benchmarks.exactness.conversation import Conversation, Turn
+from benchmarks.exactness.openai import post_events, read_stored
 from benchmarks.exactness.script import MAX_TOOL_ROUNDS, Script
 from shared.protocol import WorkMessage
 
 Wire = list[dict[str, Any]]
 
 
-async def _events(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
-    async with client.stream("POST", path, json=body) as resp:
-        if resp.status_code >= 400:
-            await resp.aread()
-            raise RuntimeError(f"HTTP {resp.status_code} {resp.text[:300]}")
-        async for line in resp.aiter_lines():
-            if line.startswith("data:"):
-                yield json.loads(line[5:].strip())
-
-
 async def _stored(client: httpx.AsyncClient, turn: Turn, info: dict[str, Any], text: str) -> bool:
-    """Reads the stored record into ``turn``; False (and ``turn.error``) if it did not complete or the
-    streamed text is not its content."""
-    turn.message_id = info["message_id"]
-    resp = await client.get(f"/chats/{info['chat_id']}/messages/{turn.message_id}", params={"include": "tokens"})
-    resp.raise_for_status()
-    turn.stored = resp.json()
-    if turn.stored.get("state") != "complete":
-        turn.error = f"message ended {turn.stored.get('state')}: {turn.stored.get('error')}"
+    """``read_stored``, and the streamed text must be the stored content."""
+    if not await read_stored(client, turn, info):
         return False
     if text != (turn.stored.get("content") or ""):
         turn.error = "the streamed text differs from the stored content"
@@ -68,7 +53,7 @@ async def _responses_turn(client: httpx.AsyncClient, arm: str, script: Script, w
     if script.tools:
         body["tools"] = _responses_tools(script)
     text, final = "", None
-    async with contextlib.aclosing(_events(client, "/v1/responses", body)) as events:
+    async with contextlib.aclosing(post_events(client, "/v1/responses", body)) as events:
         async for event in events:
             kind = event.get("type")
             if kind == "response.output_text.delta":
@@ -134,7 +119,7 @@ async def _messages_turn(client: httpx.AsyncClient, arm: str, script: Script, wi
         ]
     blocks: dict[int, dict[str, Any]] = {}
     text, end = "", None
-    async with contextlib.aclosing(_events(client, "/v1/messages", body)) as events:
+    async with contextlib.aclosing(post_events(client, "/v1/messages", body)) as events:
         async for event in events:
             kind = event.get("type")
             if kind == "content_block_start":

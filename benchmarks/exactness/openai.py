@@ -25,8 +25,11 @@ _SAMPLING_NAMES = {"max_new_tokens": "max_tokens"}
 _MIN_LOGPROB = -9999.0  # the API's stand-in for -inf
 
 
-async def _chunks(client: httpx.AsyncClient, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
-    async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+async def post_events(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any]
+) -> AsyncGenerator[dict[str, Any], None]:
+    """The JSON ``data:`` of a streamed POST's server-sent events, up to ``[DONE]`` if it sends one."""
+    async with client.stream("POST", path, json=body) as resp:
         if resp.status_code >= 400:
             await resp.aread()
             raise RuntimeError(f"HTTP {resp.status_code} {resp.text[:300]}")
@@ -39,6 +42,19 @@ async def _chunks(client: httpx.AsyncClient, body: dict[str, Any]) -> AsyncGener
             yield json.loads(data)
 
 
+async def read_stored(client: httpx.AsyncClient, turn: Turn, info: dict[str, Any]) -> bool:
+    """Reads the stored record of the turn ``info`` (a ``tokentrail`` object) names into ``turn``; False
+    (and ``turn.error``) if the message did not complete."""
+    turn.message_id = info["message_id"]
+    resp = await client.get(f"/chats/{info['chat_id']}/messages/{turn.message_id}", params={"include": "tokens"})
+    resp.raise_for_status()
+    turn.stored = resp.json()
+    if turn.stored.get("state") != "complete":
+        turn.error = f"message ended {turn.stored.get('state')}: {turn.stored.get('error')}"
+        return False
+    return True
+
+
 async def _turn(
     client: httpx.AsyncClient, arm: str, script: Script, wire: list[dict[str, Any]], turn: Turn
 ) -> dict[str, Any] | None:
@@ -48,7 +64,7 @@ async def _turn(
     if script.tools:
         body["tools"] = script.tools
     content, calls, info = "", [], None
-    async with contextlib.aclosing(_chunks(client, body)) as chunks:
+    async with contextlib.aclosing(post_events(client, "/v1/chat/completions", body)) as chunks:
         async for chunk in chunks:
             if "error" in chunk:
                 turn.error = f"{chunk['error'].get('code')}: {chunk['error'].get('message')}"
@@ -65,12 +81,7 @@ async def _turn(
     if info is None:
         turn.error = "the stream ended without its final chunk"
         return None
-    turn.message_id = info["message_id"]
-    resp = await client.get(f"/chats/{info['chat_id']}/messages/{turn.message_id}", params={"include": "tokens"})
-    resp.raise_for_status()
-    turn.stored = resp.json()
-    if turn.stored.get("state") != "complete":
-        turn.error = f"message ended {turn.stored.get('state')}: {turn.stored.get('error')}"
+    if not await read_stored(client, turn, info):
         return None
     calls = [{k: v for k, v in c.items() if k != "index"} for c in calls]
     return {"role": "assistant", "content": content or None, **({"tool_calls": calls} if calls else {})}

@@ -23,7 +23,7 @@ from server.chats.finished import Finished
 from server.errors import ApiError
 from server.openai.choices import Progress, follow
 from server.openai.render import failure
-from server.outages import is_unavailable
+from server.openai.streaming import stream_failure
 from server.state import AppState
 from server.streams.protocol import StreamReset, TokenBatch
 from shared.api import MessageState
@@ -98,13 +98,8 @@ async def message_events(ctx: MessageContext, state: AppState, message_id: str) 
     except ApiError as exc:
         yield error_event(exc.status_code, exc.detail, exc.code.value)
     except Exception as exc:
-        if is_unavailable(exc):
-            log.warning("a stream ends early: a backing service is unavailable: %r", exc)
-            message = "a backing service (database or Redis) is unavailable; retry shortly"
-            yield error_event(503, message, ErrorCode.not_ready.value)
-        else:
-            log.exception("a stream failed", exc_info=exc)
-            yield error_event(500, "internal error", ErrorCode.internal_error.value)
+        code, message = stream_failure(exc)
+        yield error_event(503 if code == ErrorCode.not_ready else 500, message, code.value)
 
 
 async def _events(ctx: MessageContext, state: AppState, message_id: str) -> AsyncIterator[bytes]:

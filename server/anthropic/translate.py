@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,16 +106,21 @@ def tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {RAW_ARGUMENTS: arguments}
 
 
+def _blocks(content: Any, param: str) -> Iterator[tuple[str, str, Mapping[str, Any]]]:
+    """(param, type, block) of each content block of a message's block list."""
+    if not isinstance(content, list):
+        raise _bad("content must be a string or a list of content blocks", f"{param}.content")
+    for k, block in enumerate(content):
+        at = f"{param}.content[{k}]"
+        yield at, _block_type(block, at), block
+
+
 def _user_turn(content: Any, param: str) -> list[dict[str, Any]]:
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
-    if not isinstance(content, list):
-        raise _bad("content must be a string or a list of content blocks", f"{param}.content")
     results: list[dict[str, Any]] = []
     texts: list[str] = []
-    for k, block in enumerate(content):
-        at = f"{param}.content[{k}]"
-        kind = _block_type(block, at)
+    for at, kind, block in _blocks(content, param):
         if kind == "text":
             texts.append(_text(block, at))
         elif kind == "tool_result":
@@ -134,14 +139,10 @@ def _user_turn(content: Any, param: str) -> list[dict[str, Any]]:
 def _assistant_turn(content: Any, param: str) -> dict[str, Any]:
     if isinstance(content, str):
         return {"role": "assistant", "content": content}
-    if not isinstance(content, list):
-        raise _bad("content must be a string or a list of content blocks", f"{param}.content")
     texts: list[str] = []
     thinking: list[str] = []
     calls: list[dict[str, Any]] = []
-    for k, block in enumerate(content):
-        at = f"{param}.content[{k}]"
-        kind = _block_type(block, at)
+    for at, kind, block in _blocks(content, param):
         if kind == "text":
             texts.append(_text(block, at))
         elif kind == "thinking":

@@ -18,13 +18,12 @@ from server.anthropic.streaming import message_events
 from server.anthropic.translate import parse, to_chat
 from server.api.deps import CurrentUser, SessionDep, StateDep
 from server.chats.admission import admit
-from server.chats.enqueue import enqueue
 from server.errors import ApiError
 from server.openai.choices import collect
-from server.openai.conversations import ConversationStore, seed_for
 from server.openai.params import require_model, rpc_call, sampling_params, unsupported
 from server.openai.render import dumps
 from server.openai.streaming import event_stream
+from server.openai.turns import start_turn
 from shared.anthropic_api import ANTHROPIC_ERROR_RESPONSES, CountTokensRequest, MessagesRequest
 from shared.api import MAX_NEW_TOKENS_LIMIT, check_tools
 from shared.errors import ErrorCode
@@ -66,24 +65,19 @@ async def create_message(body: MessagesRequest, user: CurrentUser, session: Sess
     # max_tokens is an upper bound: tokentrail's own ceiling (and the model's context) may end sooner
     sampling = sampling_params(knobs, min(body.max_tokens, MAX_NEW_TOKENS_LIMIT), 0)
     kwargs = body.chat_template_kwargs or None
-    store = ConversationStore(session, user.id)
-    cont = await store.continue_path(
+    cont = await start_turn(
+        state,
+        session,
+        user.id,
         conv=conv,
-        seed=seed_for(user.id, body.model, conv, tools, kwargs),
         model=body.model,
         tools=tools,
         sampling=sampling,
         n=1,
         conversation_id=body.conversation_id,
-        extra_params={
-            "template_kwargs": kwargs,
-            "client_prompt_ids": None,
-            "required_prefix_ids": body.required_prefix_token_ids,
-        },
+        template_kwargs=kwargs,
+        required_prefix_ids=body.required_prefix_token_ids,
     )
-    state.paths.remember(cont.stored)
-    await enqueue(state, cont.assistants)
-    await session.close()  # generation may take minutes; the follower opens its own sessions
     message_id = cont.assistants[0].id
     info: dict[str, Any] = {
         "chat_id": cont.chat_id,

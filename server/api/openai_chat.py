@@ -18,11 +18,10 @@ from fastapi import APIRouter, Response
 
 from server.api.deps import CurrentUser, SessionDep, StateDep
 from server.chats.admission import admit
-from server.chats.enqueue import enqueue
 from server.chats.finished import Finished
 from server.errors import ApiError
 from server.openai.choices import Progress, collect, follow
-from server.openai.conversations import ConversationStore, parse_messages, seed_for
+from server.openai.conversations import parse_messages
 from server.openai.params import require_model, sampling_params, unsupported
 from server.openai.render import (
     assistant_message,
@@ -37,6 +36,7 @@ from server.openai.render import (
     usage,
 )
 from server.openai.streaming import SSE_DONE, Merge, error_chunk, event_stream, sse
+from server.openai.turns import start_turn
 from server.state import AppState
 from server.streams.protocol import StreamReset, TokenBatch
 from shared.api import MessageState, check_tools
@@ -115,24 +115,20 @@ async def _chat(
     top = (body.top_logprobs or 0) if body.logprobs else 0
     sampling = sampling_params(body, body.max_completion_tokens or body.max_tokens, top)
     kwargs = body.chat_template_kwargs or None
-    store = ConversationStore(session, user_id)
-    cont = await store.continue_path(
+    cont = await start_turn(
+        state,
+        session,
+        user_id,
         conv=conv,
-        seed=seed_for(user_id, body.model, conv, tools, kwargs),
         model=body.model,
         tools=tools,
         sampling=sampling,
         n=body.n,
         conversation_id=body.conversation_id,
-        extra_params={
-            "template_kwargs": kwargs,
-            "client_prompt_ids": client_tokens,
-            "required_prefix_ids": body.required_prefix_token_ids,
-        },
+        template_kwargs=kwargs,
+        client_prompt_ids=client_tokens,
+        required_prefix_ids=body.required_prefix_token_ids,
     )
-    state.paths.remember(cont.stored)
-    await enqueue(state, cont.assistants)
-    await session.close()  # generation may take minutes; the follower opens its own sessions
     ids = [m.id for m in cont.assistants]
     created = int(time.time())
     request_info = {

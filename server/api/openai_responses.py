@@ -24,12 +24,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.api.deps import CurrentUser, SessionDep, StateDep
 from server.chats.admission import admit
-from server.chats.enqueue import enqueue
 from server.chats.finished import Finished
 from server.errors import ApiError
 from server.models import MESSAGES, Chat, Message, MessageTokens
 from server.openai.choices import collect
-from server.openai.conversations import ConversationStore, seed_for
 from server.openai.params import require_model, sampling_params
 from server.openai.render import dumps, failure, tokentrail_info
 from server.openai.responses import chat_tools, conversation, refuse_unsupported, response_tools, translate
@@ -44,6 +42,7 @@ from server.openai.responses_render import (
 )
 from server.openai.responses_stream import ResponseEvents
 from server.openai.streaming import event_stream
+from server.openai.turns import start_turn
 from shared.api import MessageState, WorkParameters
 from shared.errors import ErrorCode
 from shared.responses_api import ResponsesRequest
@@ -136,24 +135,19 @@ async def create_response(body: ResponsesRequest, user: CurrentUser, session: Se
     conv = conversation(tr)
     await admit(state.settings, state.rate_limiter, session, user.id, body.model, 1)
     sampling = sampling_params(body, body.max_output_tokens or body.max_tokens, 0)
-    store = ConversationStore(session, user.id)
-    cont = await store.continue_path(
+    cont = await start_turn(
+        state,
+        session,
+        user.id,
         conv=conv,
-        seed=seed_for(user.id, body.model, conv, tools, kwargs or None),
         model=body.model,
         tools=tools,
         sampling=sampling,
         n=1,
         conversation_id=prev.chat_id if prev is not None else body.conversation_id,
-        extra_params={
-            "template_kwargs": kwargs or None,
-            "client_prompt_ids": None,
-            "required_prefix_ids": body.required_prefix_token_ids or tr.required_prefix,
-        },
+        template_kwargs=kwargs or None,
+        required_prefix_ids=body.required_prefix_token_ids or tr.required_prefix,
     )
-    state.paths.remember(cont.stored)
-    await enqueue(state, cont.assistants)
-    await session.close()  # generation may take minutes; the follower opens its own sessions
     mid = cont.assistants[0].id
     rid = response_id(mid)
     with_tools = body.tool_choice != "none"

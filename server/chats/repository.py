@@ -233,9 +233,8 @@ class ChatRepository:
         await self._add(chat, msg)
         return msg
 
-    async def add_assistant_message(
-        self, chat_id: str, parent_id: str, model_config_name: str, sampling: SamplingParameters, seed: int | None
-    ) -> Message:
+    async def _assistant_parent(self, chat_id: str, parent_id: str) -> tuple[Chat, Message]:
+        """The chat and the parent an assistant message may follow: a prompter message or a tool result."""
         chat = await self.get_chat(chat_id)
         parent = await self.get_message(chat_id, parent_id)
         if parent.role not in ("prompter", "tool"):
@@ -243,6 +242,12 @@ class ChatRepository:
                 ErrorCode.parent_wrong_role,
                 "an assistant message must follow a prompter message or a tool result",
             )
+        return chat, parent
+
+    async def add_assistant_message(
+        self, chat_id: str, parent_id: str, model_config_name: str, sampling: SamplingParameters, seed: int | None
+    ) -> Message:
+        chat, parent = await self._assistant_parent(chat_id, parent_id)
         work = WorkParameters(
             model_config_name=model_config_name,
             sampling_parameters=sampling,
@@ -263,13 +268,7 @@ class ChatRepository:
         reasoning: str | None,
     ) -> Message:
         """An assistant message the client wrote: stored ``manual`` (context, never a completion)."""
-        chat = await self.get_chat(chat_id)
-        parent = await self.get_message(chat_id, parent_id)
-        if parent.role not in ("prompter", "tool"):
-            raise ApiError(
-                ErrorCode.parent_wrong_role,
-                "an assistant message must follow a prompter message or a tool result",
-            )
+        chat, parent = await self._assistant_parent(chat_id, parent_id)
         msg = Message(
             chat_id=chat.id,
             parent_id=parent.id,

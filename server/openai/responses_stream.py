@@ -32,7 +32,7 @@ from server.openai.responses_render import (
     reasoning_item,
     token_fields,
 )
-from server.outages import is_unavailable
+from server.openai.streaming import stream_failure
 from server.state import AppState
 from server.streams.protocol import TokenBatch
 from shared.api import MessageState
@@ -75,13 +75,7 @@ class ResponseEvents:
             async for chunk in self._events(state):
                 yield chunk
         except Exception as exc:  # after the 200: end with an error event, never a broken connection
-            if is_unavailable(exc):
-                log.warning("a response stream ends early: a backing service is unavailable: %r", exc)
-                message = "a backing service (database or Redis) is unavailable; retry shortly"
-                code = ErrorCode.not_ready
-            else:
-                log.exception("a response stream failed", exc_info=exc)
-                message, code = "internal error", ErrorCode.internal_error
+            code, message = stream_failure(exc)
             yield self.event("error", code=code.value, message=message, param=None)
 
     async def _events(self, state: AppState) -> AsyncIterator[bytes]:

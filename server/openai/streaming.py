@@ -93,13 +93,17 @@ async def _counted(chunks: AsyncIterator[bytes], metrics: Metrics) -> AsyncItera
             yield SSE_DONE
 
 
-def failure_chunk(exc: Exception) -> bytes:
-    """The error chunk that ends a stream which failed after its 200 went out."""
+def stream_failure(exc: Exception) -> tuple[ErrorCode, str]:
+    """Logs a stream that failed after its 200 went out, in any dialect; the (code, message) it ends with:
+    ``not_ready`` when a backing service is away, else ``internal_error``."""
     if is_unavailable(exc):
         log.warning("a stream ends early: a backing service is unavailable: %r", exc)
-        message = "a backing service (database or Redis) is unavailable; retry shortly"
-        code = ErrorCode.not_ready
-    else:
-        log.exception("a stream failed", exc_info=exc)
-        message, code = "internal error", ErrorCode.internal_error
+        return ErrorCode.not_ready, "a backing service (database or Redis) is unavailable; retry shortly"
+    log.exception("a stream failed", exc_info=exc)
+    return ErrorCode.internal_error, "internal error"
+
+
+def failure_chunk(exc: Exception) -> bytes:
+    """The error chunk that ends a stream which failed after its 200 went out."""
+    code, message = stream_failure(exc)
     return sse({"error": {"message": message, "type": "server_error", "param": None, "code": code.value}})

@@ -29,14 +29,13 @@ import asyncio
 import json
 import os
 import sys
-import traceback
 from typing import Any
 
 from verifiers.v1.clients.eval import EvalClient
 from verifiers.v1.configs.client import EvalClientConfig
 from verifiers.v1.dialects import ChatDialect
 from verifiers.v1.types import SamplingConfig
-from wire import WireLog, server_options  # this folder: on sys.path when run as a script
+from wire import WireLog, driver_options, failed  # this folder: on sys.path when run as a script
 
 API_KEY_VAR = "TOKENTRAIL_CLIENT_API_KEY"
 CHAT_PATH = "/v1/chat/completions"
@@ -166,9 +165,7 @@ async def run(args: argparse.Namespace) -> int:
             print(json.dumps(line), flush=True)
             messages.extend(echoed(choice.get("message") or {}))
     except BaseException as exc:
-        traceback.print_exc()
-        print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
-        return 1
+        return failed(exc)
     finally:
         await client.close()
     return 0
@@ -176,11 +173,7 @@ async def run(args: argparse.Namespace) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    server_options(parser)
-    parser.add_argument("--tokenizer-dir", help="unused (the eval client sends messages); accepted like the others")
-    parser.add_argument("--turns", type=int, default=6)
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--seed", type=int, default=7)
+    driver_options(parser, turns=6, max_tokens=48, tokenizer=False)  # the eval client sends messages
     parser.add_argument(
         "--chat-template-kwargs", type=json.loads, default=None, help='JSON, e.g. {"enable_thinking": false}'
     )

@@ -40,7 +40,6 @@ import asyncio
 import json
 import os
 import sys
-import traceback
 from typing import Any
 
 import httpx
@@ -55,7 +54,7 @@ from verifiers.legacy.types import (
     ToolMessage,
     UserMessage,
 )
-from wire import server_options  # this folder: on sys.path when run as a script
+from wire import driver_options  # this folder: on sys.path when run as a script
 
 API_KEY_VAR = "TOKENTRAIL_CLIENT_API_KEY"
 SYSTEM = "You are a terse assistant with a weather tool."
@@ -275,9 +274,7 @@ async def run(args: argparse.Namespace) -> int:
             cause = error.__cause__ or error.__context__
             raise RuntimeError(f"rollout error: {type(error).__name__}: {error} (cause: {cause!r})")
     except BaseException as exc:
-        traceback.print_exc()
-        print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
-        return 1
+        return failed(exc)
     finally:
         await client.close()
     return 0
@@ -286,12 +283,8 @@ async def run(args: argparse.Namespace) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--client", required=True, choices=("token", "plain", "renderer"))
-    server_options(parser)
-    parser.add_argument("--tokenizer-dir", required=True, help="the model's directory (tokenizer + chat template)")
+    driver_options(parser, turns=6, max_tokens=48)
     parser.add_argument("--renderer", default="default", choices=("default", "qwen3"), help="renderer client only")
-    parser.add_argument("--turns", type=int, default=6)
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--seed", type=int, default=7)
     parser.add_argument(
         "--chat-template-kwargs", type=json.loads, default=None, help='JSON, e.g. {"enable_thinking": false}'
     )

@@ -22,7 +22,6 @@ import asyncio
 import json
 import os
 import sys
-import traceback
 from typing import Any
 
 from renderers import DefaultRendererConfig
@@ -30,7 +29,7 @@ from verifiers.v1.clients.train import TrainClient
 from verifiers.v1.configs.client import TrainClientConfig
 from verifiers.v1.dialects import ChatDialect
 from verifiers.v1.types import SamplingConfig
-from wire import WireLog, server_options  # this folder: on sys.path when run as a script
+from wire import WireLog, driver_options, failed  # this folder: on sys.path when run as a script
 
 API_KEY_VAR = "TOKENTRAIL_CLIENT_API_KEY"
 GENERATE_PATH = "/inference/v1/generate"
@@ -98,9 +97,7 @@ async def run(args: argparse.Namespace) -> int:
             print(json.dumps(line), flush=True)
             messages.append({"role": "assistant", "content": response.message.content or ""})
     except BaseException as exc:
-        traceback.print_exc()
-        print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
-        return 1
+        return failed(exc)
     finally:
         await client.close()
     return 0
@@ -108,11 +105,7 @@ async def run(args: argparse.Namespace) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    server_options(parser)
-    parser.add_argument("--tokenizer-dir", required=True, help="the model's directory (tokenizer + chat template)")
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=12)
-    parser.add_argument("--seed", type=int, default=7)
+    driver_options(parser, turns=4, max_tokens=12)
     return asyncio.run(run(parser.parse_args()))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import traceback
 from typing import Any
 
 import httpx
@@ -38,7 +39,21 @@ class WireLog:
             self.received.append({"status": response.status_code, "body": body})
 
 
-def server_options(parser: argparse.ArgumentParser) -> None:
+def driver_options(parser: argparse.ArgumentParser, *, turns: int, max_tokens: int, tokenizer: bool = True) -> None:
+    """The options every driver takes: the server, the model, its directory (``tokenizer``: required,
+    else accepted and unused) and the conversation's length, reply length and first seed."""
     parser.add_argument("--base-url", required=True, help="the tokentrail server, e.g. http://127.0.0.1:8000")
     parser.add_argument("--api-key", required=True, help="a tokentrail user API key")
     parser.add_argument("--model", required=True, help="the served model name")
+    help_ = "the model's directory (tokenizer + chat template)" if tokenizer else "unused; accepted like the others"
+    parser.add_argument("--tokenizer-dir", required=tokenizer, help=help_)
+    parser.add_argument("--turns", type=int, default=turns)
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--seed", type=int, default=7)
+
+
+def failed(exc: BaseException) -> int:
+    """The driver's failure, reported as the tests read it: the traceback, then one JSON line; exit 1."""
+    traceback.print_exc()
+    print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
+    return 1

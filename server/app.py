@@ -116,14 +116,14 @@ def create_app(settings: ServerSettings, local_worker: LocalWorker | None = None
             # (Redis.from_url's pool does not take the client's default retry policy.)
             retry = Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2)
             redis = Redis.from_url(settings.redis_url, max_connections=settings.redis_pool_size, retry=retry)
-            queue = RedisWorkQueue(redis, max_queue_size=settings.max_queue_size)
+            queue = RedisWorkQueue(redis, settings.max_queue_size, settings.route_wait_s)
             directory = RedisWorkerDirectory(redis)
             streams = RedisTokenStreams(redis, expire_after_s=settings.token_stream_expire_s)
         else:
             from server.queue.memory import MemoryWorkerDirectory, MemoryWorkQueue
             from server.streams.memory import MemoryTokenStreams
 
-            queue = MemoryWorkQueue(max_queue_size=settings.max_queue_size)
+            queue = MemoryWorkQueue(settings.max_queue_size, settings.route_wait_s)
             directory = MemoryWorkerDirectory()
             streams = MemoryTokenStreams(expire_after_s=settings.token_stream_expire_s)
         signer = TokenSigner(

@@ -6,6 +6,10 @@ WORK_STREAM = PREFIX + "work:{model}"
 # Its retry lane: work lost after it was started or accepted, served first (uncapped).
 WORK_RETRY_STREAM = PREFIX + "retry:{model}"
 WORK_GROUP = "workers"
+# Routing (server.workers.routing): one preferred worker's lane of a model, in the same group, and the
+# model's lane owners (worker id -> "capacity:last claim ms").
+WORK_LANE_STREAM = PREFIX + "lane:{model}:{worker}"
+WORK_LANES = PREFIX + "lanes:{model}"
 # Enqueue / dequeue counters of one model, for queue positions.
 WORK_ENQ_COUNTER = PREFIX + "work:{model}:enq"
 WORK_DEQ_COUNTER = PREFIX + "work:{model}:deq"

@@ -120,6 +120,40 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.routing = Counter(
+            "tokentrail_routing_dispatches",
+            "First attempts dispatched, by model and routing outcome: preferred (the worker holding the "
+            "prefix took it), handed_over (it was busy or gone past the wait bound; another took it), "
+            "unrouted (no preference)",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "tokentrail_prompt_tokens",
+            "Prompt tokens of stored replies whose engine reports prefix-cache hits, by model",
+            ["model"],
+            registry=r,
+        )
+        self.cached_prompt_tokens = Counter(
+            "tokentrail_cached_prompt_tokens",
+            "Of those, the tokens the engine's prefix cache held (hit rate: this / tokentrail_prompt_tokens)",
+            ["model"],
+            registry=r,
+        )
+        self.lineage = Counter(
+            "tokentrail_lineage_decisions",
+            "Chat requests (OpenAI, Responses, Messages routes) by model and how they met the stored tree: "
+            "extended, forked, root",
+            ["model", "decision"],
+            registry=r,
+        )
+        self.prefix_breaks = Counter(
+            "tokentrail_prefix_breaks",
+            "Chat requests whose history left the stored path (forked, or a root that echoes assistant "
+            "messages), by model (rate: this / tokentrail_lineage_decisions)",
+            ["model"],
+            registry=r,
+        )
         self.scrape_errors = Counter(
             "tokentrail_metrics_scrape_errors", "State reads that failed during a scrape", ["what"], registry=r
         )

@@ -143,6 +143,9 @@ class Message(Base):
     completion_token_count: Mapped[int | None] = mapped_column(Integer, default=None)
     # OpenAI API conversations: hash of the normalized path root..this message (shared/chain.py)
     chain_hash: Mapped[str | None] = mapped_column(String(64), default=None, index=True)
+    # the client's session hint when it sent one (X-Session-ID, prompt_cache_key): routing and the
+    # tie-breaker between identical stored paths of different sessions
+    session_key: Mapped[str | None] = mapped_column(String(128), default=None)
 
 
 class MessageTokens(Base):

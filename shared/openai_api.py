@@ -77,6 +77,8 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
     # NeMo-RL: the prompt must start with these ids (checked against the stored chain)
     required_prefix_token_ids: list[NonNegInt] | None = None
+    # OpenAI's cache routing key: tokentrail's session hint (routing, tie-breaker between identical paths)
+    prompt_cache_key: str | None = None
 
 
 class ChatCompletionTokensRequest(ChatCompletionRequest):

@@ -27,6 +27,7 @@ class ResponsesRequest(SamplingKnobs):
     tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: str | dict[str, Any] | None = None
     max_output_tokens: Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS_LIMIT)] | None = None
+    prompt_cache_key: str | None = None  # the session hint (routing, tie-breaker), as on chat completions
     parallel_tool_calls: bool | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None

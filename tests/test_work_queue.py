@@ -23,15 +23,15 @@ async def make_queue(request: pytest.FixtureRequest) -> AsyncIterator[QueueFacto
     clients: list[Redis] = []
     queues: list[WorkQueue] = []
 
-    def make(max_queue_size: int = 1000, **client_kwargs: object) -> WorkQueue:
+    def make(max_queue_size: int = 1000, route_wait_s: float = 0.5, **client_kwargs: object) -> WorkQueue:
         queue: WorkQueue
         if request.param == "memory":
-            queue = MemoryWorkQueue(max_queue_size)
+            queue = MemoryWorkQueue(max_queue_size, route_wait_s)
         else:
             decode = request.param == "redis-decoded"
             url = request.getfixturevalue("redis_url")
             clients.append(Redis.from_url(url, decode_responses=decode, **client_kwargs))  # type: ignore[arg-type]
-            queue = RedisWorkQueue(clients[-1], max_queue_size)
+            queue = RedisWorkQueue(clients[-1], max_queue_size, route_wait_s)
         queues.append(queue)
         return queue
 
@@ -274,3 +274,100 @@ async def test_directory_register_unregister_expire(directory: WorkerDirectory) 
     await directory.register(_entry(c), ttl_s=30)  # a worker may come back
     assert set(await mine()) == {a, c}
     await directory.unregister("never-registered")
+
+
+# ---- routing lanes (server.workers.routing) ---------------------------------------------------------
+
+
+async def test_lane_is_claimed_by_its_worker_first(make_queue: QueueFactory, model: str) -> None:
+    queue = make_queue(route_wait_s=30)
+    assert await queue.claim(model, "w1", count=4, timeout_s=0, capacity=4) == []  # w1 is known, free
+    await queue.enqueue(model, "shared-0", 1)
+    await queue.enqueue(model, "routed-0", 1, prefer="w1")
+    await queue.enqueue(model, "retry-0", 2, retry=True)
+    # another worker gets the shared and retry lanes, not w1's lane (its item is young, w1 has room)
+    other = await queue.claim(model, "w2", count=4, timeout_s=0, capacity=4)
+    assert [(i.message_id, i.lane, i.retry) for i in other] == [("retry-0", "", True), ("shared-0", "", False)]
+    [mine] = await queue.claim(model, "w1", count=4, timeout_s=0, capacity=4)
+    assert (mine.message_id, mine.lane, mine.deliveries) == ("routed-0", "w1", 1)
+    assert await queue.holds(model, "routed-0")
+    await queue.ack(mine)
+    assert await queue.claim(model, "w2", count=4, timeout_s=0, capacity=4) == []
+
+
+async def test_lane_order_retry_then_own_then_shared(make_queue: QueueFactory, model: str) -> None:
+    queue = make_queue(route_wait_s=30)
+    await queue.claim(model, "w1", count=1, timeout_s=0, capacity=8)
+    await queue.enqueue(model, "shared-0", 1)
+    await queue.enqueue(model, "routed-0", 1, prefer="w1")
+    await queue.enqueue(model, "retry-0", 2, retry=True)
+    got = [i.message_id for i in await queue.claim(model, "w1", count=2, timeout_s=0, capacity=8)]
+    assert got == ["retry-0", "routed-0"]
+    assert [i.message_id for i in await queue.claim(model, "w1", count=2, timeout_s=0, capacity=8)] == ["shared-0"]
+
+
+async def test_lane_is_handed_over_after_the_wait(make_queue: QueueFactory, model: str) -> None:
+    queue = make_queue(route_wait_s=0.3)
+    await queue.claim(model, "w1", count=1, timeout_s=0, capacity=4)  # w1 live, then busy (never claims again)
+    await queue.enqueue(model, "routed-0", 1, prefer="w1")
+    start = time.monotonic()
+    [item] = await queue.claim(model, "w2", count=4, timeout_s=3, capacity=4)
+    waited = time.monotonic() - start
+    assert item.message_id == "routed-0" and item.lane == "w1"
+    assert 0.2 <= waited < 2.0, waited  # waited for the bound, then woke without a new enqueue
+    await queue.ack(item)
+
+
+async def test_lane_overflow_is_handed_over_at_once(make_queue: QueueFactory, model: str) -> None:
+    queue = make_queue(route_wait_s=30)
+    await queue.claim(model, "w1", count=2, timeout_s=0, capacity=2)
+    for i in range(5):
+        await queue.enqueue(model, f"routed-{i}", 1, prefer="w1")
+    # w1 can take 2 at once: the 3 beyond its capacity go to an idle worker now, oldest first
+    stolen = await queue.claim(model, "w2", count=8, timeout_s=0, capacity=8)
+    assert [i.message_id for i in stolen] == ["routed-0", "routed-1", "routed-2"]
+    kept = await queue.claim(model, "w1", count=2, timeout_s=0, capacity=2)
+    assert [i.message_id for i in kept] == ["routed-3", "routed-4"]
+
+
+async def test_lane_of_an_unknown_worker_is_taken_at_once(make_queue: QueueFactory, model: str) -> None:
+    queue = make_queue(route_wait_s=30)
+    await queue.enqueue(model, "routed-0", 1, prefer="never-claimed")
+    [item] = await queue.claim(model, "w2", count=1, timeout_s=0, capacity=1)
+    assert (item.message_id, item.lane) == ("routed-0", "never-claimed")
+
+
+async def test_lane_owner_wakes_for_its_item(make_queue: QueueFactory, model: str) -> None:
+    queue = make_queue(route_wait_s=30)
+    await queue.claim(model, "w1", count=1, timeout_s=0, capacity=4)
+    waiting = asyncio.create_task(queue.claim(model, "w1", count=4, timeout_s=5, capacity=4))
+    await asyncio.sleep(0.2)
+    start = time.monotonic()
+    await queue.enqueue(model, "routed-0", 1, prefer="w1")
+    [item] = await waiting
+    assert item.lane == "w1" and time.monotonic() - start < 1.0
+
+
+async def test_lane_items_are_reclaimed_from_a_dead_claimer(make_queue: QueueFactory, model: str) -> None:
+    queue = make_queue(route_wait_s=30)
+    await queue.claim(model, "w1", count=1, timeout_s=0, capacity=4)
+    await queue.enqueue(model, "routed-0", 1, prefer="w1")
+    [claimed] = await queue.claim(model, "w1", count=1, timeout_s=0, capacity=4)
+    await asyncio.sleep(0.3)
+    [again] = await queue.reclaim(model, "reaper", min_idle_s=0.2, count=10)
+    assert again.delivery_id == claimed.delivery_id
+    assert (again.message_id, again.lane, again.deliveries) == ("routed-0", "w1", 2)
+    await queue.ack(again)
+    assert await queue.reclaim(model, "reaper", min_idle_s=0, count=10) == []
+
+
+async def test_lanes_count_in_the_bound_and_positions(make_queue: QueueFactory, model: str) -> None:
+    queue = make_queue(max_queue_size=3, route_wait_s=30)
+    await queue.claim(model, "w1", count=1, timeout_s=0, capacity=4)
+    await queue.enqueue(model, "shared-0", 1)
+    await queue.enqueue(model, "routed-0", 1, prefer="w1")
+    await queue.enqueue(model, "routed-1", 1, prefer="w1")
+    with pytest.raises(QueueFull):
+        await queue.enqueue(model, "routed-2", 1, prefer="w1")
+    ahead, size = await queue.position(model, "routed-1")
+    assert size == 3 and 0 < ahead < 3

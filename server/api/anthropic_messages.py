@@ -16,7 +16,7 @@ from fastapi import APIRouter, Response
 from server.anthropic.render import MessageContext
 from server.anthropic.streaming import message_events
 from server.anthropic.translate import parse, to_chat
-from server.api.deps import CurrentUser, SessionDep, StateDep
+from server.api.deps import CurrentUser, SessionDep, SessionHint, StateDep
 from server.chats.admission import admit
 from server.errors import ApiError
 from server.openai.choices import collect
@@ -50,7 +50,9 @@ def _refuse_unsupported(body: CountTokensRequest) -> None:
 
 
 @router.post("/v1/messages", responses=ANTHROPIC_ERROR_RESPONSES)
-async def create_message(body: MessagesRequest, user: CurrentUser, session: SessionDep, state: StateDep) -> Response:
+async def create_message(
+    body: MessagesRequest, user: CurrentUser, session: SessionDep, state: StateDep, hint: SessionHint
+) -> Response:
     await require_model(state, body.model)
     _refuse_unsupported(body)
     request = to_chat(body.system, body.messages, body.tools, body.tool_choice)
@@ -77,6 +79,7 @@ async def create_message(body: MessagesRequest, user: CurrentUser, session: Sess
         conversation_id=body.conversation_id,
         template_kwargs=kwargs,
         required_prefix_ids=body.required_prefix_token_ids,
+        session_key=hint,
     )
     message_id = cont.assistants[0].id
     info: dict[str, Any] = {
@@ -85,6 +88,7 @@ async def create_message(body: MessagesRequest, user: CurrentUser, session: Sess
         "matched_messages": cont.matched,
         "new_messages": cont.new_messages,
         "parent_id": cont.parent_id,
+        "lineage": cont.lineage_info(),
     }
     ctx = MessageContext(body.model, request.with_tools, stops, info, cont.forked)
     if body.stream:

@@ -1,7 +1,9 @@
-"""FastAPI dependencies as ``Annotated`` aliases: app state, DB session, current user, repository."""
+"""FastAPI dependencies as ``Annotated`` aliases: app state, DB session, current user, repository, the
+client's session hint."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import AsyncIterator
 from typing import Annotated
@@ -121,3 +123,28 @@ async def get_repository(session: SessionDep, user: CurrentUser) -> ChatReposito
 
 
 RepoDep = Annotated[ChatRepository, Depends(get_repository)]
+
+
+# Session hints agents and RL clients send: prime-rl's and verifiers' X-Session-ID, Codex's session_id.
+SESSION_HEADERS = ("x-session-id", "session_id", "session-id")
+MAX_SESSION_KEY = 128  # the stored column's width: a longer key is stored as its hash
+
+
+def session_key(value: str | None) -> str | None:
+    """A session hint as stored: stripped, empty as none, over ``MAX_SESSION_KEY`` characters hashed."""
+    value = (value or "").strip()
+    if not value:
+        return None
+    if len(value) > MAX_SESSION_KEY:
+        return "h:" + hashlib.blake2b(value.encode(), digest_size=32).hexdigest()
+    return value
+
+
+async def session_hint(request: Request) -> str | None:
+    for name in SESSION_HEADERS:
+        if value := session_key(request.headers.get(name)):
+            return value
+    return None
+
+
+SessionHint = Annotated[str | None, Depends(session_hint)]

@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi import APIRouter, Response
 
-from server.api.deps import CurrentUser, SessionDep, StateDep
+from server.api.deps import CurrentUser, SessionDep, SessionHint, StateDep, session_key
 from server.chats.admission import admit
 from server.chats.finished import Finished
 from server.errors import ApiError
@@ -81,22 +81,28 @@ async def list_models(state: StateDep, _user: CurrentUser) -> dict[str, Any]:
 # ---- chat completions -----------------------------------------------------------------------------
 @router.post("/v1/chat/completions")
 async def chat_completions(
-    body: ChatCompletionRequest, user: CurrentUser, session: SessionDep, state: StateDep
+    body: ChatCompletionRequest, user: CurrentUser, session: SessionDep, state: StateDep, hint: SessionHint
 ) -> Response:
-    return await _chat(body, user.id, session, state, client_tokens=None)
+    return await _chat(body, user.id, session, state, client_tokens=None, hint=hint)
 
 
 @router.post("/v1/chat/completions/tokens")
 async def chat_completions_tokens(
-    body: ChatCompletionTokensRequest, user: CurrentUser, session: SessionDep, state: StateDep
+    body: ChatCompletionTokensRequest, user: CurrentUser, session: SessionDep, state: StateDep, hint: SessionHint
 ) -> Response:
     """A chat request plus the prompt ``tokens`` the client built (verifiers' token client): generation
     uses those tokens; ``tokentrail.prompt_check`` says whether they equal the stored chain's prompt."""
-    return await _chat(body, user.id, session, state, client_tokens=body.tokens)
+    return await _chat(body, user.id, session, state, client_tokens=body.tokens, hint=hint)
 
 
 async def _chat(
-    body: ChatCompletionRequest, user_id: str, session: Any, state: AppState, *, client_tokens: list[int] | None
+    body: ChatCompletionRequest,
+    user_id: str,
+    session: Any,
+    state: AppState,
+    *,
+    client_tokens: list[int] | None,
+    hint: str | None,
 ) -> Response:
     await require_model(state, body.model)
     if body.response_format and body.response_format.get("type") not in (None, "text"):
@@ -128,6 +134,7 @@ async def _chat(
         template_kwargs=kwargs,
         client_prompt_ids=client_tokens,
         required_prefix_ids=body.required_prefix_token_ids,
+        session_key=session_key(body.prompt_cache_key) or hint,
     )
     ids = [m.id for m in cont.assistants]
     created = int(time.time())
@@ -137,6 +144,7 @@ async def _chat(
         "matched_messages": cont.matched,
         "new_messages": cont.new_messages,
         "parent_id": cont.parent_id,
+        "lineage": cont.lineage_info(),
     }
     ctx = _ChatContext(body, f"chatcmpl-{ids[0]}", created, cont.forked, request_info)
     if body.stream:

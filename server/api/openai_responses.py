@@ -22,7 +22,7 @@ from fastapi import APIRouter, Response
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from server.api.deps import CurrentUser, SessionDep, StateDep
+from server.api.deps import CurrentUser, SessionDep, SessionHint, StateDep, session_key
 from server.chats.admission import admit
 from server.chats.finished import Finished
 from server.errors import ApiError
@@ -119,7 +119,9 @@ async def _previous(session: AsyncSession, user_id: str, rid: str) -> _Previous:
 
 
 @router.post("/v1/responses")
-async def create_response(body: ResponsesRequest, user: CurrentUser, session: SessionDep, state: StateDep) -> Response:
+async def create_response(
+    body: ResponsesRequest, user: CurrentUser, session: SessionDep, state: StateDep, hint: SessionHint
+) -> Response:
     await require_model(state, body.model)
     refuse_unsupported(body)
     prev = await _previous(session, user.id, body.previous_response_id) if body.previous_response_id else None
@@ -147,6 +149,7 @@ async def create_response(body: ResponsesRequest, user: CurrentUser, session: Se
         conversation_id=prev.chat_id if prev is not None else body.conversation_id,
         template_kwargs=kwargs or None,
         required_prefix_ids=body.required_prefix_token_ids or tr.required_prefix,
+        session_key=session_key(body.prompt_cache_key) or hint,
     )
     mid = cont.assistants[0].id
     rid = response_id(mid)
@@ -173,6 +176,7 @@ async def create_response(body: ResponsesRequest, user: CurrentUser, session: Se
         "matched_messages": cont.matched,
         "new_messages": cont.new_messages,
         "parent_id": cont.parent_id,
+        "lineage": cont.lineage_info(),
     }
 
     def body_of(status: str, output: list[dict[str, Any]], done: Finished | None) -> dict[str, Any]:

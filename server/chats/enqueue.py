@@ -5,7 +5,7 @@ A full queue refuses the request: the messages not queued are deleted (a refused
 nothing behind) and the client gets 503 ``queue_full`` with Retry-After. With Redis away the messages
 stay pending in SQL and are queued in the background once it answers (the sweep is the backstop).
 Each message is also registered with this process's path cache, so that a dispatch here reads nothing
-back.
+back, and queued for the worker that holds its prefix when routing names one (``server.workers.routing``).
 """
 
 from __future__ import annotations
@@ -19,14 +19,20 @@ from server.state import AppState
 from shared.errors import ErrorCode
 
 
-async def enqueue(state: AppState, messages: list[Message]) -> None:
+async def enqueue(
+    state: AppState, messages: list[Message], *, holder: str | None = None, session_key: str | None = None
+) -> None:
+    """``holder``: the worker that generated the path's last reply, when the caller knows it and this
+    process's path cache may not (another replica stored that reply); ``session_key``: the client's
+    session hint."""
     for k, msg in enumerate(messages):
         model = msg.model_config_name or ""
         # this process's dispatch takes it from memory if it claims it (server.workers.work_source)
         params = msg.work_parameters or {}
         state.paths.pending(PendingWork(msg.id, msg.chat_id, msg.parent_id or "", msg.attempt, params, msg.created_at))
         try:
-            await state.queue.enqueue(model, msg.id, msg.attempt)
+            prefer = await state.hub.router.prefer(model, state.paths.holder(msg.parent_id) or holder, session_key)
+            await state.queue.enqueue(model, msg.id, msg.attempt, prefer=prefer)
         except QueueFull as exc:
             await state.hub.store.discard([m.id for m in messages[k:]])
             raise ApiError(

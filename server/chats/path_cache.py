@@ -68,6 +68,7 @@ class Node:
     chain_hash: str | None  # the message's prefix-index key (None: the path is not indexed)
     parent: Node | None
     chain: StoredChain | None = None  # a complete assistant message's tokens (None: none stored)
+    worker_id: str | None = None  # the worker that generated it (assistant messages)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,12 +123,13 @@ class PathCache:
         state: str,
         chain_hash: str | None,
         chain: StoredChain | None = None,
+        worker_id: str | None = None,
     ) -> Node | None:
         """Cache a stored message under its parent; nothing (None) when the parent is not cached."""
         parent = self.get(parent_id)
         if parent_id is not None and parent is None:
             return None
-        return self.put(Node(message, state, chain_hash, parent, chain))
+        return self.put(Node(message, state, chain_hash, parent, chain, worker_id))
 
     def remember(self, messages: list[Message]) -> None:
         """Cache messages a request just stored (each under the one before it or a cached parent)."""
@@ -145,6 +147,16 @@ class PathCache:
         return work if work is not None and work.attempt == attempt else None
 
     # ---- reading ----------------------------------------------------------------------------------
+    def holder(self, parent_id: str | None) -> str | None:
+        """The worker that generated the nearest complete assistant message at or above ``parent_id``
+        (its engine computed the prefix the next prompt is stitched onto); None when not known here."""
+        cur = self._nodes.get(parent_id) if parent_id is not None else None
+        while cur is not None:
+            if cur.message.role == "assistant" and cur.state == MessageState.complete.value:
+                return cur.worker_id
+            cur = cur.parent
+        return None
+
     def path(self, parent_id: str) -> tuple[list[WorkMessage], PriorChain | None, str | None] | None:
         """The path root..``parent_id`` (root first), the prior chain (the nearest complete assistant
         with stored tokens), and the parent's chain hash; None when any of it is not known here."""

@@ -127,6 +127,7 @@ def message_row(m: Message, now: datetime) -> dict[str, Any]:
         "prompt_token_count": None,
         "completion_token_count": None,
         "chain_hash": m.chain_hash,
+        "session_key": m.session_key,
     }
 
 

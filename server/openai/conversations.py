@@ -71,6 +71,30 @@ class Continued:
     new_messages: int = 0
     parent_id: str | None = None
     stored: list[Message] = field(default_factory=list)  # the request's new messages, root side first
+    lineage: str = "root"  # extended | forked | root
+    lineage_stop: str = "no_stored_prefix"  # why the match stopped where it did (``lineage``)
+    prefix_break: bool = False  # the request's history left the stored path
+    holder: str | None = None  # the worker that generated the matched message (an assistant one)
+
+    def lineage_info(self) -> dict[str, Any]:
+        return {"decision": self.lineage, "matched_messages": self.matched, "stopped": self.lineage_stop}
+
+
+def lineage(conv: Conversation, matched: int, found: bool, forked: bool) -> tuple[str, str, bool]:
+    """How a request met the stored tree: (decision, why the match stopped, prefix break).
+
+    ``extended``: the stored path ends where the request's new messages begin (``end_of_stored_path``),
+    or the whole request was stored (``all_stored``: a regeneration); ``forked``: the stored path goes
+    on differently at the request's message ``matched`` (``differs_from_stored_<role>``: an edited,
+    re-rendered or alternative history); ``root``: nothing stored matched (``no_stored_prefix``). A
+    fork, or a root that echoes assistant messages, is a prefix break: a trainer sees the client's
+    history leave what the model produced."""
+    if not found:
+        history = any(m.role == "assistant" for m in conv.path)
+        return "root", "no_stored_prefix", history
+    if forked:
+        return "forked", f"differs_from_stored_{conv.path[matched].role}", True
+    return "extended", "all_stored" if matched == len(conv.path) else "end_of_stored_path", False
 
 
 def _bad(message: str, param: str | None) -> ApiError:
@@ -174,7 +198,7 @@ class _Lookups:
 @functools.cache
 def _lookups(dialect: str) -> _Lookups:
     # Built once per dialect, so that each is compiled and cached once: every chat request runs them.
-    matches = select(_M.id, _M.chat_id, _M.chain_hash, _M.role, _M.tool_calls).where(
+    matches = select(_M.id, _M.chat_id, _M.chain_hash, _M.role, _M.tool_calls, _M.worker_id, _M.session_key).where(
         in_list(_M.chain_hash, "hashes", dialect), state_in(*_MATCHABLE)
     )
     owned = select(_C.id).where(in_list(_C.id, "chat_ids", dialect), _C.user_id == bindparam("user_id"))
@@ -200,6 +224,7 @@ class _Match:
     chat_id: str
     role: str
     tool_calls: list[dict[str, Any]] | None
+    worker_id: str | None
 
 
 class ConversationStore:
@@ -216,8 +241,12 @@ class ConversationStore:
         conn = await self.session.connection()
         return list((await conn.execute(stmt, params)).all())
 
-    async def longest_match(self, hashes: list[str], chat_id: str | None) -> tuple[_Match | None, int]:
-        """The stored message ending the longest matching prefix, and that prefix's length."""
+    async def longest_match(
+        self, hashes: list[str], chat_id: str | None, session_key: str | None = None
+    ) -> tuple[_Match | None, int]:
+        """The stored message ending the longest matching prefix, and that prefix's length; with
+        ``session_key``, the longest of that session's paths when it has one; among identical
+        siblings, the newest."""
         if not hashes:
             return None, 0
         # By hash alone, so that the planner probes the chain-hash index (joined to chats it may scan
@@ -235,13 +264,18 @@ class ConversationStore:
         rows = [h for h in hits if h.chat_id in owned]
         if not rows:
             return None, 0
+        if session_key is not None:
+            # a session continues its own path, never another session's that repeats it (two rollouts
+            # with the same opening); it shares another's only where it has none of its own yet
+            rows = [h for h in rows if h.session_key == session_key] or rows
         position = {h: k for k, h in enumerate(hashes)}
         # longest prefix first; among equal paths (identical siblings) the newest
         best = max(rows, key=lambda m: (position[m.chain_hash or ""], m.id))
         calls = best.tool_calls
         if isinstance(calls, str):  # a JSON column read through Core on a driver that hands back text
             calls = json.loads(calls)
-        return _Match(best.id, best.chat_id, best.role, calls), position[best.chain_hash or ""] + 1
+        worker = best.worker_id if best.role == "assistant" else None
+        return _Match(best.id, best.chat_id, best.role, calls, worker), position[best.chain_hash or ""] + 1
 
     async def _owned_chat(self, chat_id: str) -> str:
         sql = await self._lookups()
@@ -265,10 +299,11 @@ class ConversationStore:
         n: int,
         conversation_id: str | None,
         extra_params: dict[str, Any],
+        session_key: str | None = None,
     ) -> Continued:
         hashes = chain_hashes(seed, [m.norm for m in conv.path])
         pinned = await self._owned_chat(conversation_id) if conversation_id is not None else None
-        match, matched = await self.longest_match(hashes, conversation_id)
+        match, matched = await self.longest_match(hashes, conversation_id, session_key)
         now = utcnow()
         conn = await self.session.connection()
         if match is not None:
@@ -310,6 +345,7 @@ class ConversationStore:
                 content=pm.content,
                 state=MessageState.manual.value,
                 chain_hash=key,
+                session_key=session_key,
             )
             if pm.role == "assistant":
                 msg.tool_calls = pm.tool_calls
@@ -338,10 +374,16 @@ class ConversationStore:
                 **extra_params,
             ),
         )
+        for a in assistants:
+            a.session_key = session_key
         await conn.execute(_INSERT_MESSAGES, [message_row(m, now) for m in (*stored, *assistants)])
         await conn.execute(_TOUCH_CHAT, {"chat_id": chat_id, "now": now, "tail": assistants[0].id})
         await self.session.commit()
-        return Continued(chat_id, assistants, matched, forked, len(tail), parent_id, stored)
+        decision, stop, broke = lineage(conv, matched, match is not None, forked)
+        holder = match.worker_id if match is not None else None
+        return Continued(
+            chat_id, assistants, matched, forked, len(tail), parent_id, stored, decision, stop, broke, holder
+        )
 
 
 def pending_assistants(

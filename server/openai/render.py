@@ -128,10 +128,12 @@ def tokentrail_info(msg: Message, tokens: MessageTokens | None, *, forked: bool)
         "message_id": msg.id,
         "reused_prefix_len": tokens.reused_prefix_len if tokens else 0,
         "forked": forked or bool(tokens and tokens.fork),
+        "worker_id": msg.worker_id,
     }
     if tokens is not None:
         info["prompt_method"] = tokens.prompt_method
         info["synthetic_token_count"] = tokens.synthetic_token_count
+        info["cached_tokens"] = tokens.num_cached_tokens
         if tokens.prompt_check is not None:
             info["prompt_check"] = tokens.prompt_check
             info["prompt_matched"] = tokens.prompt_check in ("match", "prefix-match")

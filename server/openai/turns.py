@@ -29,6 +29,7 @@ async def start_turn(
     template_kwargs: dict[str, Any] | None,
     client_prompt_ids: list[int] | None = None,
     required_prefix_ids: list[int] | None = None,
+    session_key: str | None = None,
 ) -> Continued:
     cont = await ConversationStore(session, user_id).continue_path(
         conv=conv,
@@ -43,8 +44,12 @@ async def start_turn(
             "client_prompt_ids": client_prompt_ids,
             "required_prefix_ids": required_prefix_ids,
         },
+        session_key=session_key,
     )
+    state.metrics.lineage.labels(model, cont.lineage).inc()
+    if cont.prefix_break:
+        state.metrics.prefix_breaks.labels(model).inc()
     state.paths.remember(cont.stored)
-    await enqueue(state, cont.assistants)
+    await enqueue(state, cont.assistants, holder=cont.holder, session_key=session_key)
     await session.close()
     return cont

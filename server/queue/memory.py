@@ -27,16 +27,32 @@ class _Pending:
 class _ModelQueue:
     waiting: deque[WorkItem] = field(default_factory=deque)
     retry: deque[WorkItem] = field(default_factory=deque)  # served before ``waiting``, uncapped
+    # preferred worker -> its lane: (item, time.monotonic() it was enqueued), oldest first
+    lanes: dict[str, deque[tuple[WorkItem, float]]] = field(default_factory=dict)
+    capacity: dict[str, tuple[int, float]] = field(default_factory=dict)  # claimer -> (slots, last claim)
     pending: dict[str, _Pending] = field(default_factory=dict)  # delivery_id -> claim, FIFO
-    # Set whenever ``waiting`` gains items; claimers wait on it.
+    # Set whenever a lane gains items; claimers wait on it.
     ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def queued(self) -> int:
+        return len(self.waiting) + sum(len(lane) for lane in self.lanes.values())
+
+    def owner_slots(self, owner: str, now: float, live_s: float) -> int:
+        """The lane owner's capacity; 0 when it has not claimed within ``live_s`` (gone)."""
+        slots, seen = self.capacity.get(owner, (0, 0.0))
+        return slots if now - seen <= live_s else 0
 
 
 class MemoryWorkQueue:
-    """Work queue of one process. ``max_queue_size`` bounds waiting plus claimed-unacked items."""
+    """Work queue of one process. ``max_queue_size`` bounds waiting plus claimed-unacked items.
 
-    def __init__(self, max_queue_size: int = 1000) -> None:
+    A live worker claims at least once a ``claim`` timeout (its dispatch loop) or holds no free slot;
+    one that has claimed nothing for ``owner_live_s`` is taken for gone and its lane handed over."""
+
+    def __init__(self, max_queue_size: int = 1000, route_wait_s: float = 0.5, owner_live_s: float = 30.0) -> None:
         self.max_queue_size = max_queue_size
+        self.route_wait_s = route_wait_s
+        self.owner_live_s = owner_live_s
         self._queues: dict[str, _ModelQueue] = {}
         self._ids = itertools.count(1)
 
@@ -46,41 +62,76 @@ class MemoryWorkQueue:
             queue = self._queues[model] = _ModelQueue()
         return queue
 
-    async def enqueue(self, model: str, message_id: str, attempt: int, *, retry: bool = False) -> None:
+    async def enqueue(
+        self, model: str, message_id: str, attempt: int, *, retry: bool = False, prefer: str = ""
+    ) -> None:
         queue = self._queue(model)
-        if not retry and len(queue.waiting) + len(queue.pending) >= self.max_queue_size:
+        if not retry and queue.queued() + len(queue.pending) >= self.max_queue_size:
             raise QueueFull(model)
         delivery_id = f"m-{next(self._ids)}"
-        item = WorkItem(model, message_id, attempt, delivery_id, deliveries=0, retry=retry)
-        (queue.retry if retry else queue.waiting).append(item)
+        lane = "" if retry else prefer
+        item = WorkItem(model, message_id, attempt, delivery_id, deliveries=0, retry=retry, lane=lane)
+        if lane:
+            queue.lanes.setdefault(lane, deque()).append((item, time.monotonic()))
+        else:
+            (queue.retry if retry else queue.waiting).append(item)
         queue.ready.set()
 
-    async def claim(self, model: str, consumer: str, count: int, timeout_s: float) -> list[WorkItem]:
+    async def claim(self, model: str, consumer: str, count: int, timeout_s: float, capacity: int = 0) -> list[WorkItem]:
         queue = self._queue(model)
         if count <= 0:
             return []
-        if not queue.waiting and not queue.retry and timeout_s > 0:
+        queue.capacity[consumer] = (max(capacity, count), time.monotonic())
+        deadline = time.monotonic() + timeout_s
+        while True:
+            items = self._take(queue, consumer, count)
+            if items or (remaining := deadline - time.monotonic()) <= 0:
+                return items
+            wake = self._next_handover(queue, consumer)
+            queue.ready.clear()
             try:
-                async with asyncio.timeout(timeout_s):
-                    while not queue.waiting and not queue.retry:
-                        queue.ready.clear()
-                        await queue.ready.wait()
+                async with asyncio.timeout(min(remaining, wake)):
+                    await queue.ready.wait()
             except TimeoutError:
-                return []
+                pass
+
+    def _take(self, queue: _ModelQueue, consumer: str, count: int) -> list[WorkItem]:
+        """Retry lane, own lane, shared lane, then other lanes' items due for hand-over."""
         now = time.monotonic()
-        items: list[WorkItem] = []
-        while (queue.retry or queue.waiting) and len(items) < count:
-            item = (queue.retry or queue.waiting).popleft()
+        taken: list[WorkItem] = []
+        while queue.retry and len(taken) < count:
+            taken.append(queue.retry.popleft())
+        own = queue.lanes.get(consumer)
+        while own and len(taken) < count:
+            taken.append(own.popleft()[0])
+        while queue.waiting and len(taken) < count:
+            taken.append(queue.waiting.popleft())
+        for owner, lane in list(queue.lanes.items()):
+            if owner == consumer:
+                continue
+            slots = queue.owner_slots(owner, now, self.owner_live_s)
+            while lane and len(taken) < count and (len(lane) > slots or now - lane[0][1] >= self.route_wait_s):
+                taken.append(lane.popleft()[0])
+        for owner in [o for o, lane in queue.lanes.items() if not lane]:
+            del queue.lanes[owner]
+        items = []
+        for item in taken:
             item = replace(item, deliveries=item.deliveries + 1)
             queue.pending[item.delivery_id] = _Pending(item, consumer, now)
             items.append(item)
         return items
 
+    def _next_handover(self, queue: _ModelQueue, consumer: str) -> float:
+        """Seconds until another lane's oldest item is due for hand-over (inf: none waits)."""
+        now = time.monotonic()
+        heads = [lane[0][1] for owner, lane in queue.lanes.items() if owner != consumer and lane]
+        return max(min(heads) + self.route_wait_s - now, 0.001) if heads else float("inf")
+
     async def holds(self, model: str, message_id: str) -> bool:
         queue = self._queues.get(model)
         if queue is None:
             return False
-        waiting = (*queue.retry, *queue.waiting)
+        waiting = (*queue.retry, *queue.waiting, *(i for lane in queue.lanes.values() for i, _ in lane))
         return any(i.message_id == message_id for i in waiting) or any(
             p.item.message_id == message_id for p in queue.pending.values()
         )
@@ -119,7 +170,8 @@ class MemoryWorkQueue:
         queue = self._queues.get(model)
         if queue is None:
             return 0, 0
-        waiting = (*queue.retry, *queue.waiting)
+        lanes = sorted((entry for lane in queue.lanes.values() for entry in lane), key=lambda e: e[1])
+        waiting = (*queue.retry, *(i for i, _ in lanes), *queue.waiting)
         for ahead, item in enumerate(waiting):
             if item.message_id == message_id:
                 return ahead, len(waiting)

@@ -8,6 +8,13 @@ Each model has two lanes: new work, in arrival order, and a retry lane for work 
 started or accepted and then lost (a dead worker, a dead replica, a Redis restart). ``claim``
 serves the retry lane first, and the retry lane is not capped (its items were admitted once
 already), so a reader waiting mid-stream is resumed before new work starts.
+
+Routing (DESIGN D5, ``server.workers.routing``): new work may name a preferred worker, the one whose
+engine holds the turn's prefix in its cache. Such an item waits in that worker's lane, which its
+worker claims before the shared lane. Any other worker of the model takes it once it has waited
+``route_wait_s`` or once the lane holds more items than its worker's capacity (a busy preferred worker
+delays a turn by a bounded time, never starves it, and no worker idles while another's lane
+overflows). A lane whose worker is gone is taken from at once.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ class WorkItem:
     delivery_id: str  # backend-specific id of this queue entry (the stream entry id in Redis)
     deliveries: int = 1
     retry: bool = False  # in the retry lane
+    lane: str = ""  # the preferred worker whose lane held it ("" for the shared lanes)
 
 
 @dataclass(frozen=True)
@@ -53,13 +61,17 @@ class WorkerEntry:
 
 
 class WorkQueue(Protocol):
-    async def enqueue(self, model: str, message_id: str, attempt: int, *, retry: bool = False) -> None:
-        """Append an item to the model's new-work lane (QueueFull when that is full) or, with
-        ``retry``, to its retry lane, which is served first and never full."""
+    async def enqueue(
+        self, model: str, message_id: str, attempt: int, *, retry: bool = False, prefer: str = ""
+    ) -> None:
+        """Append an item to the model's new-work lane (QueueFull when that is full), with ``prefer``
+        to that worker's lane (counted in the same bound), or, with ``retry``, to its retry lane,
+        which is served first and never full."""
         ...
 
-    async def claim(self, model: str, consumer: str, count: int, timeout_s: float) -> list[WorkItem]:
-        """Up to ``count`` items for ``consumer``, retry lane first, waiting at most ``timeout_s``
+    async def claim(self, model: str, consumer: str, count: int, timeout_s: float, capacity: int = 0) -> list[WorkItem]:
+        """Up to ``count`` items for ``consumer`` (a worker of ``capacity`` slots): the retry lane,
+        its own lane, the shared lane, then what other lanes hand over; waiting at most ``timeout_s``
         for the first."""
         ...
 

@@ -4,6 +4,12 @@ Two streams per model (new work, and the retry lane served first), each with one
 XADD to enqueue, XREADGROUP to claim, XACK+XDEL to ack (so XLEN counts waiting plus claimed items),
 XAUTOCLAIM to reclaim from dead consumers. Enqueue/dequeue counters of the new-work lane plus a
 per-message ticket give approximate queue positions.
+
+Routed work (``prefer``) goes to the preferred worker's lane, a stream of its own in the same group;
+a hash of the model's lane owners holds each one's capacity and last claim. ``claim`` is one script:
+the retry lane, the claimer's lane, the shared lane, then other lanes' items due for hand-over (the
+oldest not yet delivered, past ``route_wait_s`` or beyond the owner's capacity), all by XREADGROUP, so
+every claimed item is pending in its stream, acked and reclaimed alike.
 Redis 7.0 commands only.
 """
 
@@ -23,6 +29,8 @@ from server.constants import (
     WORK_DEQ_COUNTER,
     WORK_ENQ_COUNTER,
     WORK_GROUP,
+    WORK_LANE_STREAM,
+    WORK_LANES,
     WORK_RETRY_STREAM,
     WORK_STREAM,
     WORK_TICKET,
@@ -33,15 +41,90 @@ from server.queue.protocol import QueueFull, WorkerEntry, WorkItem
 # Check size, add, take a ticket: atomic so concurrent servers never overfill the queue.
 _ENTRY_FIELDS = {f.name for f in fields(WorkerEntry)}
 
+# KEYS[4] is the shared lane (counted in the bound) and KEYS[1] the stream to add to: the shared lane
+# itself or a worker's lane, whose owner KEYS[5] then knows of (capacity unknown until it claims).
 _ENQUEUE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[5], '0', 'MKSTREAM')
 end
-if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
+local size = redis.call('XLEN', KEYS[1])
+if KEYS[1] ~= KEYS[4] then
+  size = size + redis.call('XLEN', KEYS[4])
+  redis.call('HSETNX', KEYS[5], ARGV[6], '0:0')
+end
+if size >= tonumber(ARGV[1]) then return 0 end
 redis.call('XADD', KEYS[1], '*', 'message_id', ARGV[2], 'attempt', ARGV[3])
 local ticket = redis.call('INCR', KEYS[2])
 redis.call('SET', KEYS[3], ticket, 'PX', ARGV[4])
 return ticket
+"""
+# One claim: KEYS retry lane, claimer's lane, shared lane, lane owners hash, dequeue counter; ARGV group,
+# consumer, count, route wait ms, owner live ms, capacity, lane key prefix. Returns {entries, wait ms}:
+# entries {lane tag ('r' retry, '' shared, else the lane's owner), id, fields}; wait ms until another
+# lane's oldest item is due for hand-over (-1: none waits).
+_CLAIM = """
+local group, consumer, count = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local wait_ms, live_ms, prefix = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[7]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('HSET', KEYS[4], consumer, ARGV[6] .. ':' .. now)
+local out, next_due = {}, -1
+local function read(key, n, tag)
+  if n <= 0 then return 0 end
+  redis.pcall('XGROUP', 'CREATE', key, group, '0', 'MKSTREAM')
+  local r = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n, 'STREAMS', key, '>')
+  if not r then return 0 end
+  for _, e in ipairs(r[1][2]) do out[#out + 1] = {tag, e[1], e[2]} end
+  return #r[1][2]
+end
+local function last_delivered(key)
+  local groups = redis.pcall('XINFO', 'GROUPS', key)
+  if type(groups) ~= 'table' or groups.err then return nil end
+  for _, g in ipairs(groups) do
+    local name, last = nil, nil
+    for i = 1, #g, 2 do
+      if g[i] == 'name' then name = g[i + 1] elseif g[i] == 'last-delivered-id' then last = g[i + 1] end
+    end
+    if name == group then return last end
+  end
+  return nil
+end
+local retried = read(KEYS[1], count, 'r')
+read(KEYS[2], count - #out, consumer)
+read(KEYS[3], count - #out, '')
+local owners = redis.call('HGETALL', KEYS[4])
+for i = 1, #owners, 2 do
+  local owner, v = owners[i], owners[i + 1]
+  if owner ~= consumer then
+    local key = prefix .. owner
+    local sep = string.find(v, ':', 1, true)
+    local slots, seen = tonumber(string.sub(v, 1, sep - 1)), tonumber(string.sub(v, sep + 1))
+    if now - seen > live_ms then slots = 0 end
+    local last = last_delivered(key)
+    local waiting = {}
+    if last then waiting = redis.call('XRANGE', key, '(' .. last, '+', 'COUNT', slots + count + 1) end
+    if #waiting == 0 then
+      if now - seen > live_ms and redis.call('XLEN', key) == 0 then
+        redis.call('DEL', key)
+        redis.call('HDEL', KEYS[4], owner)
+      end
+    else
+      local due = 0
+      for _, e in ipairs(waiting) do
+        local ms = tonumber(string.sub(e[1], 1, string.find(e[1], '-', 1, true) - 1))
+        if now - ms >= wait_ms then due = due + 1 else
+          local left = ms + wait_ms - now
+          if next_due < 0 or left < next_due then next_due = left end
+          break
+        end
+      end
+      local k = math.min(count - #out, math.max(#waiting - slots, due))
+      if k > 0 then read(key, k, owner) end
+    end
+  end
+end
+if #out > retried then redis.call('INCRBY', KEYS[5], #out - retried) end
+return {out, next_due}
 """
 # The retry lane is uncapped and takes no place in the new-work count; its ticket (0) keeps
 # ``holds`` true and puts the message at the head in ``position``.
@@ -130,10 +213,15 @@ class RedisWorkQueue:
 
     ticket_ttl_s = 24 * 3600.0
 
-    def __init__(self, redis: Redis, max_queue_size: int = 1000) -> None:
+    def __init__(
+        self, redis: Redis, max_queue_size: int = 1000, route_wait_s: float = 0.5, owner_live_s: float = 30.0
+    ) -> None:
         self.redis = redis
         self.max_queue_size = max_queue_size
+        self.route_wait_s = route_wait_s
+        self.owner_live_s = owner_live_s
         self._enqueue = redis.register_script(_ENQUEUE)
+        self._claim = redis.register_script(_CLAIM)
         self._enqueue_retry = redis.register_script(_ENQUEUE_RETRY)
         self._reclaim = redis.register_script(_RECLAIM)
         self._touch = redis.register_script(_TOUCH)
@@ -150,15 +238,19 @@ class RedisWorkQueue:
                 raise
         self._groups.add(key)
 
-    async def enqueue(self, model: str, message_id: str, attempt: int, *, retry: bool = False) -> None:
+    async def enqueue(
+        self, model: str, message_id: str, attempt: int, *, retry: bool = False, prefer: str = ""
+    ) -> None:
         ticket = WORK_TICKET.format(message_id=message_id)
         ttl_ms = int(self.ticket_ttl_s * 1000)
         if retry:
             keys = [WORK_RETRY_STREAM.format(model=model), ticket]
             await self._enqueue_retry(keys=keys, args=[message_id, attempt, ttl_ms, WORK_GROUP])
             return
-        keys = [WORK_STREAM.format(model=model), WORK_ENQ_COUNTER.format(model=model), ticket]
-        args: list[EncodableT] = [self.max_queue_size, message_id, attempt, ttl_ms, WORK_GROUP]
+        main = WORK_STREAM.format(model=model)
+        target = WORK_LANE_STREAM.format(model=model, worker=prefer) if prefer else main
+        keys = [target, WORK_ENQ_COUNTER.format(model=model), ticket, main, WORK_LANES.format(model=model)]
+        args: list[EncodableT] = [self.max_queue_size, message_id, attempt, ttl_ms, WORK_GROUP, prefer]
         if not await self._enqueue(keys=keys, args=args):
             raise QueueFull(model)
 
@@ -174,33 +266,51 @@ class RedisWorkQueue:
             return {}
         return streams_entries(reply)
 
-    async def claim(self, model: str, consumer: str, count: int, timeout_s: float) -> list[WorkItem]:
+    async def claim(self, model: str, consumer: str, count: int, timeout_s: float, capacity: int = 0) -> list[WorkItem]:
         if count <= 0:
             return []
-        main, retry = WORK_STREAM.format(model=model), WORK_RETRY_STREAM.format(model=model)
-        # Retries first, then new work, neither waiting.
-        got = await self._read(consumer, [retry], count, None)
-        taken = [(retry, e) for e in got.get(retry, [])]
-        if len(taken) < count:
-            got = await self._read(consumer, [main], count - len(taken), None)
-            taken += [(main, e) for e in got.get(main, [])]
+        items, due_s = await self._claim_now(model, consumer, count, capacity)
         deadline = time.monotonic() + timeout_s
-        while not taken and (remaining := deadline - time.monotonic()) > 0.001:
-            # Wait on both lanes, one entry each: at most one item more than asked for when both
-            # fill at once, and that one is handed back below.
-            got = await self._read(consumer, [retry, main], 1, int(min(remaining, self._block_s) * 1000))
-            taken = [(retry, e) for e in got.get(retry, [])] + [(main, e) for e in got.get(main, [])]
-            if taken and len(taken) < count:
-                got = await self._read(consumer, [retry, main], count - len(taken), None)
-                taken += [(retry, e) for e in got.get(retry, [])] + [(main, e) for e in got.get(main, [])]
-        items = [self._item(model, key == retry, entry_id, fields, 1) for key, (entry_id, fields) in taken]
+        own = WORK_LANE_STREAM.format(model=model, worker=consumer)
+        lanes = {WORK_RETRY_STREAM.format(model=model): "r", own: consumer, WORK_STREAM.format(model=model): ""}
+        while not items and (remaining := deadline - time.monotonic()) > 0.001:
+            # Wait on the three lanes this worker reads first, one entry each (at most two more than
+            # asked for when they fill at once, handed back below), or until another lane's item is due.
+            block = min(remaining, self._block_s, due_s)
+            got = await self._read(consumer, list(lanes), 1, max(int(block * 1000), 1))
+            items = [self._item(model, lanes[key], eid, raw, 1) for key, entries in got.items() for eid, raw in entries]
+            new = sum(not item.retry for item in items)
+            if new:
+                await self.redis.incrby(WORK_DEQ_COUNTER.format(model=model), new)
+            more, due_s = await self._claim_now(model, consumer, count - len(items), capacity)
+            items += more
         for extra in items[count:]:
             await self._hand_back(extra)
-        items = items[:count]
-        new = sum(not item.retry for item in items)
-        if new:
-            await self.redis.incrby(WORK_DEQ_COUNTER.format(model=model), new)
-        return items
+        return items[:count]
+
+    async def _claim_now(self, model: str, consumer: str, count: int, capacity: int) -> tuple[list[WorkItem], float]:
+        """What can be claimed at once, and seconds until another lane's item is due (inf: none)."""
+        if count <= 0:
+            return [], float("inf")
+        keys = [
+            WORK_RETRY_STREAM.format(model=model),
+            WORK_LANE_STREAM.format(model=model, worker=consumer),
+            WORK_STREAM.format(model=model),
+            WORK_LANES.format(model=model),
+            WORK_DEQ_COUNTER.format(model=model),
+        ]
+        args: list[EncodableT] = [
+            WORK_GROUP,
+            consumer,
+            count,
+            int(self.route_wait_s * 1000),
+            int(self.owner_live_s * 1000),
+            max(capacity, count),
+            WORK_LANE_STREAM.format(model=model, worker=""),
+        ]
+        entries, due_ms = await self._claim(keys=keys, args=args)
+        items = [self._item(model, text(tag), eid, raw, 1) for tag, eid, raw in entries]
+        return items, (int(due_ms) / 1000 if int(due_ms) >= 0 else float("inf"))
 
     async def _hand_back(self, item: WorkItem) -> None:
         """Return an item claimed beyond ``count`` to the head of the queue (the retry lane)."""
@@ -209,12 +319,16 @@ class RedisWorkQueue:
 
     @staticmethod
     def _key(item: WorkItem) -> str:
+        if item.lane:
+            return WORK_LANE_STREAM.format(model=item.model, worker=item.lane)
         return (WORK_RETRY_STREAM if item.retry else WORK_STREAM).format(model=item.model)
 
     @staticmethod
-    def _item(model: str, retry: bool, entry_id: bytes | str, raw: Any, deliveries: int) -> WorkItem:
+    def _item(model: str, tag: str, entry_id: bytes | str, raw: Any, deliveries: int) -> WorkItem:
+        """``tag``: the lane it came from ("r" the retry lane, "" the shared lane, else its owner)."""
         fields = _fields(raw)
-        return WorkItem(model, fields["message_id"], int(fields["attempt"]), text(entry_id), deliveries, retry)
+        retry, lane = tag == "r", "" if tag == "r" else tag
+        return WorkItem(model, fields["message_id"], int(fields["attempt"]), text(entry_id), deliveries, retry, lane)
 
     async def ack(self, item: WorkItem) -> None:
         key = self._key(item)
@@ -238,8 +352,10 @@ class RedisWorkQueue:
         if count <= 0:
             return []
         items: list[WorkItem] = []
-        for retry in (True, False):
-            key = (WORK_RETRY_STREAM if retry else WORK_STREAM).format(model=model)
+        owners: dict[Any, Any] = await self.redis.hgetall(WORK_LANES.format(model=model))
+        lanes = [("r", WORK_RETRY_STREAM.format(model=model)), ("", WORK_STREAM.format(model=model))]
+        lanes += [(text(o), WORK_LANE_STREAM.format(model=model, worker=text(o))) for o in owners]
+        for tag, key in lanes:
             args: list[EncodableT] = [WORK_GROUP, consumer, int(min_idle_s * 1000), count - len(items)]
             try:
                 rows = await self._reclaim(keys=[key], args=args)
@@ -247,7 +363,7 @@ class RedisWorkQueue:
                 if "NOGROUP" not in str(exc):
                     raise
                 continue
-            items += [self._item(model, retry, entry_id, raw, int(n)) for entry_id, raw, n in rows]
+            items += [self._item(model, tag, entry_id, raw, int(n)) for entry_id, raw, n in rows]
             if len(items) >= count:
                 break
         return items

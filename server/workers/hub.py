@@ -51,6 +51,7 @@ from server.workers.engine_health import EngineHealth
 from server.workers.ingest import record_problem, record_without_nul, token_batch
 from server.workers.links import LocalLink, SocketLink, WorkerLink
 from server.workers.recovery import Recovery
+from server.workers.routing import Router
 from server.workers.rpc import RpcFailed, RpcUnavailable, WorkerRpc
 from server.workers.work_source import WorkSource
 from shared.api import MessageState
@@ -106,6 +107,7 @@ class WorkerHub:
         self.server_id = secrets.token_hex(4)
         self._local_sessions: set[asyncio.Task[None]] = set()  # sessions of in-process workers
         self.rpc = WorkerRpc(self.connections, directory, self.server_id)
+        self.router = Router(directory, settings.routing)
         self.recovery = Recovery(
             settings, self.store, queue, directory, streams, self.metrics, self.connections, self.server_id
         )
@@ -431,7 +433,9 @@ class WorkerHub:
                 await conn.credit_event.wait()
                 continue
             try:
-                items = await self.queue.claim(model, conn.id, conn.credits, timeout_s=1.0)
+                items = await self.queue.claim(
+                    model, conn.id, conn.credits, timeout_s=1.0, capacity=conn.hello.capacity
+                )
                 backoff = 0.0
             except Exception as exc:  # a slow or restarting Redis: wait and claim again
                 backoff = min(max(backoff * 2, 0.1), 2.0)
@@ -484,6 +488,8 @@ class WorkerHub:
         resume = await self._resume_state(work.message_id, conn) if item.attempt > 1 else None
         if item.attempt == 1:
             self.metrics.queue_wait.labels(item.model).observe(seconds_since(work.created_at))
+            outcome = "unrouted" if not item.lane else "preferred" if item.lane == conn.id else "handed_over"
+            self.metrics.routing.labels(item.model, outcome).inc()
         inflight.timer = StreamTimer(None if resume else work.created_at)
         seed = work.params.seed
         if seed is None and FEATURE_UNSEEDED not in conn.hello.features:
@@ -579,9 +585,12 @@ class WorkerHub:
         elif stored:
             if work is not None and record.finish_reason != "abort":
                 key = reply_chain_hash(work.parent_chain, record)
-                self.source.finished(work, record, key)
+                self.source.finished(work, record, key, conn.id)
                 self.finished.put(work.stored(record, stored, frame.attempt, conn.id, key))
             self.metrics.finished.labels(MessageState.complete.value).inc()
+            if record.num_cached_tokens is not None:
+                self.metrics.prompt_tokens.labels(conn.hello.model_name).inc(len(record.prompt_ids))
+                self.metrics.cached_prompt_tokens.labels(conn.hello.model_name).inc(record.num_cached_tokens)
             conn.served += 1
             await self.streams.finish(frame.message_id, StreamDone("complete"))
         elif await self.store.is_cancelled_or_deleted(frame.message_id):  # cancelled, record refused: readers still end

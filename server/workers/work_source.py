@@ -163,9 +163,10 @@ class WorkSource:
                     prior.tools,
                     prior.has_tool_calls,
                 )
-            parent = self.paths.put(Node(work_message(m), m.state, m.chain_hash, parent, chain))
+            worker = m.worker_id if m.role == "assistant" else None
+            parent = self.paths.put(Node(work_message(m), m.state, m.chain_hash, parent, chain, worker))
 
-    def finished(self, work: Work, record: GenerationRecord, chain_hash: str | None) -> None:
+    def finished(self, work: Work, record: GenerationRecord, chain_hash: str | None, worker_id: str) -> None:
         """Cache a reply just stored as complete: the next turn of its chat is dispatched from memory."""
         if work.params.raw_prompt is not None:
             return  # raw prompts are never continued
@@ -187,4 +188,4 @@ class WorkSource:
             tool_calls=record.tool_calls or None,
             reasoning_content=record.reasoning_content,
         )
-        self.paths.add(work.parent_id, message, MessageState.complete.value, chain_hash, chain)
+        self.paths.add(work.parent_id, message, MessageState.complete.value, chain_hash, chain, worker_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -40,9 +41,10 @@ class ServerSettings(BaseSettings):
     rate_limit_burst: int = 60
     user_queue_share: float = Field(default=0.5, gt=0.0, le=1.0)
     max_attempts: int = 3
-    # Cache-aware routing (server/workers/routing.py): a turn waits this long in the lane of the worker
-    # that holds its prefix before any worker of the model takes it; off: every turn to any worker.
-    routing: bool = True
+    # Cache-aware routing (server/workers/routing.py): a turn waits up to route_wait_s in the lane of the
+    # worker that holds its prefix before any worker of the model takes it. auto: for engines with a
+    # prefix cache (vLLM); on: for every engine; off: every turn to any worker.
+    routing: Literal["auto", "on", "off"] = "auto"
     route_wait_s: float = Field(default=0.5, ge=0.0)
     # a message generating on engine_poison_deaths engines that died fails (engine_poison_message)
     engine_poison_deaths: int = Field(default=3, ge=1)

@@ -65,7 +65,7 @@ def cluster(
 def embedded(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[str], str]]:
     data = tmp_path_factory.mktemp("routing-data")
     # a generous bound: these tests check where turns go, not how long a busy holder is waited for
-    env = {"TOKENTRAIL_DATA_DIR": str(data), "TOKENTRAIL_ROUTE_WAIT_S": "5"}
+    env = {"TOKENTRAIL_DATA_DIR": str(data), "TOKENTRAIL_ROUTE_WAIT_S": "5", "TOKENTRAIL_ROUTING": "on"}
     settings = ServerSettings(data_dir=data, migrate_on_start=True)
     with cluster(env, settings, tiny_model_dir, tmp_path_factory.mktemp("routing-logs"), replicas=1) as c:
         yield c
@@ -189,6 +189,7 @@ def test_routing_across_replicas_on_postgres_and_redis(
         "TOKENTRAIL_AUTH_SECRET": SECRET,
         "TOKENTRAIL_DATA_DIR": str(tmp_path / "data"),
         "TOKENTRAIL_ROUTE_WAIT_S": "5",
+        "TOKENTRAIL_ROUTING": "on",  # the hf engine keeps no prefix cache: "auto" would not route it
     }
     settings = ServerSettings(database_url=postgres_url, migrate_on_start=False)
     with cluster(env, settings, tiny_model_dir, tmp_path, replicas=2) as (urls, key):
@@ -196,3 +197,27 @@ def test_routing_across_replicas_on_postgres_and_redis(
         served = loops(urls, key, conversations=6, turns=4, tag="replicas")
         assert_sticky(served)
         assert metric(urls, "tokentrail_routing_dispatches", model=MODEL, outcome="preferred") - before == 6 * 3
+
+
+async def test_router_prefers_the_live_holder_then_the_session() -> None:
+    """The router alone, over a directory of entries: which worker a turn is held for."""
+    from server.queue.memory import MemoryWorkerDirectory
+    from server.queue.protocol import WorkerEntry
+    from server.workers.routing import Router
+
+    directory = MemoryWorkerDirectory()
+    for wid, engine, state in (("v1", "vllm", "ready"), ("v2", "vllm", "ready"), ("v3", "vllm", "restarting")):
+        await directory.register(WorkerEntry(wid, MODEL, "c", engine, None, 4, engine_state=state), ttl_s=60)
+    for wid in ("h1", "h2"):
+        await directory.register(WorkerEntry(wid, "hf-model", "c", "hf", None, 4), ttl_s=60)
+    auto = Router(directory, "auto")
+    assert await auto.prefer(MODEL, "v2", None) == "v2"
+    assert await auto.prefer(MODEL, "v3", None) == ""  # its engine is restarting: any worker
+    assert await auto.prefer(MODEL, "gone", None) == ""
+    by_session = {await auto.prefer(MODEL, "gone", f"s{k}") for k in range(32)}
+    assert by_session == {"v1", "v2"}  # sessions spread over the live workers, the same on every call
+    for k in range(8):  # the same session, the same worker, on every call
+        assert len({await auto.prefer(MODEL, None, f"s{k}") for _ in range(3)}) == 1
+    assert await auto.prefer("hf-model", "h1", "s") == ""  # no prefix cache to win: auto leaves hf unrouted
+    assert await Router(directory, "on").prefer("hf-model", "h1", None) == "h1"
+    assert await Router(directory, "off").prefer(MODEL, "v2", "s") == ""

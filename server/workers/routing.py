@@ -7,6 +7,9 @@ names it, and the queue keeps the turn in that worker's lane for at most ``route
 the lane overflows the worker's capacity) before any worker of the model takes it
 (``server.queue.protocol``): a busy holder delays a turn by a bounded time and never starves it.
 
+Routing pays only where the engine keeps a prefix cache across requests (vLLM); the hf engine does not,
+so ``routing=auto`` (the default) leaves its workers unrouted, and ``on`` routes every engine's.
+
 Without a holder (a new conversation, a holder that is gone), a session hint (``X-Session-ID``,
 ``prompt_cache_key``) picks a worker by rendezvous hashing over the model's live workers, so one
 session's first turns land together on every replica alike; without either, any worker takes it.
@@ -23,6 +26,7 @@ from server.queue.protocol import WorkerDirectory
 log = logging.getLogger(__name__)
 
 LIVE_VIEW_S = 1.0  # how stale the view of live workers may be (Redis: one HGETALL per second at most)
+PREFIX_CACHING_ENGINES = frozenset({"vllm"})  # engines whose KV cache outlives a request
 
 
 def _score(session: str, worker_id: str) -> bytes:
@@ -30,9 +34,10 @@ def _score(session: str, worker_id: str) -> bytes:
 
 
 class Router:
-    def __init__(self, directory: WorkerDirectory, enabled: bool = True) -> None:
+    def __init__(self, directory: WorkerDirectory, mode: str = "auto") -> None:
         self.directory = directory
-        self.enabled = enabled
+        self.enabled = mode != "off"
+        self.engines = None if mode == "on" else PREFIX_CACHING_ENGINES  # None: every engine
         self._live: dict[str, list[str]] = {}  # model -> ids of its workers taking work
         self._read_at = float("-inf")
 
@@ -42,7 +47,7 @@ class Router:
         if now - self._read_at > LIVE_VIEW_S:
             live: dict[str, list[str]] = {}
             for entry in await self.directory.workers():
-                if entry.engine_state == "ready":
+                if entry.engine_state == "ready" and (self.engines is None or entry.engine in self.engines):
                     live.setdefault(entry.model_name, []).append(entry.worker_id)
             self._live, self._read_at = live, now
         return self._live.get(model, [])

@@ -129,6 +129,8 @@ class MessageRead(BaseModel):
     prompt_token_count: int | None = None
     completion_token_count: int | None = None
     attempt: int | None = None  # assistant: generation attempts (2+ when a lost worker's reply was continued)
+    worker_id: str | None = None  # assistant: the worker (connection) that generated it
+    session_key: str | None = None  # the client's session hint it was stored under (OpenAI-style routes)
     # only with ?include=tokens
     prompt_token_ids: list[int] | None = None
     completion_token_ids: list[int] | None = None

@@ -162,6 +162,11 @@ def test_lineage_decisions_and_prefix_breaks(embedded: tuple[list[str], str]) ->
     assert one["tokentrail"]["lineage"] == {"decision": "root", "matched_messages": 0, "stopped": "no_stored_prefix"}
     reply = one["choices"][0]["message"]["content"]
     assert one["tokentrail"]["worker_id"] and "cached_tokens" in one["tokentrail"]
+    stored = httpx.get(
+        f"{urls[0]}/chats/{one['tokentrail']['chat_id']}/messages/{one['tokentrail']['message_id']}",
+        headers={"Authorization": f"Bearer {key}"},
+    ).json()
+    assert stored["worker_id"] == one["tokentrail"]["worker_id"]  # the native API names the worker too
     two = chat(urls[0], key, [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": "2"}])
     assert two["tokentrail"]["lineage"]["decision"] == "extended"
     edited = [*messages, {"role": "assistant", "content": reply + " (edited)"}, {"role": "user", "content": "2"}]

@@ -67,6 +67,8 @@ def message_to_read(msg: Message, tokens: MessageTokens | None = None) -> Messag
         prompt_token_count=msg.prompt_token_count,
         completion_token_count=msg.completion_token_count,
         attempt=msg.attempt if msg.role == "assistant" else None,
+        worker_id=msg.worker_id if msg.role == "assistant" else None,
+        session_key=msg.session_key,
     )
     if tokens is not None:
         read.prompt_token_ids = unpack_ids(tokens.prompt_ids)

@@ -82,6 +82,9 @@ class MemoryWorkQueue:
         if count <= 0:
             return []
         queue.capacity[consumer] = (max(capacity, count), time.monotonic())
+        if len(queue.capacity) > 1024:  # connections come and go: forget the long gone
+            horizon = time.monotonic() - 10 * self.owner_live_s
+            queue.capacity = {c: e for c, e in queue.capacity.items() if e[1] >= horizon}
         deadline = time.monotonic() + timeout_s
         while True:
             items = self._take(queue, consumer, count)

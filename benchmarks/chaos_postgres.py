@@ -232,9 +232,10 @@ class OpenAIUser:
             except (httpx.HTTPError, json.JSONDecodeError) as exc:
                 if replica.kills != kills or replica.proc is None or replica.proc.poll() is not None:
                     self.otally.cut_by_replica_kill += 1
-                else:
+                else:  # when and where, to find it in the servers' logs (their clocks are this one's)
                     self.otally.cut += 1
-                    self.otally.cut_reasons[repr(exc)[:120]] += 1
+                    when = time.strftime("%H:%M:%S")
+                    self.otally.cut_reasons[f"{repr(exc)[:120]} on {replica.name} at {when}"] += 1
                 return None
         return None
 

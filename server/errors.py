@@ -205,19 +205,26 @@ def install_error_handlers(app: FastAPI) -> None:
             headers=headers,
         )
 
+    # Starlette answers with this handler from its outermost middleware and then raises the exception
+    # again, and uvicorn closes the connection: "Connection: close" keeps a pooling client from sending
+    # its next request on that connection in the moment before it closes (which that request would
+    # see as a reset, not as an answer).
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         count_error(request, (ErrorCode.not_ready if is_unavailable(exc) else ErrorCode.internal_error).value)
         if is_unavailable(exc):  # the database or Redis away or saturated: retry, not a bug
             log.warning("%s %s: a backing service is unavailable: %r", request.method, request.url.path, exc)
             detail = "a backing service (database or Redis) is unavailable; retry shortly"
-            headers = {"Retry-After": str(RETRY_AFTER_S)}
+            headers = {"Retry-After": str(RETRY_AFTER_S), "Connection": "close"}
             if is_openai_path(request.url.path):
                 body = v1_error_body(request.url.path, 503, detail, ErrorCode.not_ready.value)
                 return JSONResponse(body, status_code=503, headers=headers)
             return JSONResponse({"detail": detail, "code": ErrorCode.not_ready.value}, status_code=503, headers=headers)
         log.exception("unhandled error", exc_info=exc)
+        closing = {"Connection": "close"}
         if is_openai_path(request.url.path):
             body = v1_error_body(request.url.path, 500, "internal error", ErrorCode.internal_error.value)
-            return JSONResponse(body, status_code=500)
-        return JSONResponse({"detail": "internal error", "code": ErrorCode.internal_error.value}, status_code=500)
+            return JSONResponse(body, status_code=500, headers=closing)
+        return JSONResponse(
+            {"detail": "internal error", "code": ErrorCode.internal_error.value}, status_code=500, headers=closing
+        )

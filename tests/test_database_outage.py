@@ -28,6 +28,7 @@ import orjson
 import pytest
 
 from server import migrate
+from server.admin import issue_user_key
 from server.db import create_engine, ping
 from server.outages import is_database_unavailable
 from server.settings import ServerSettings
@@ -128,6 +129,7 @@ def test_routes_answer_503_with_retry_after_while_postgres_is_down_and_recoverin
     headers = login(url, "outage-routes")
     chat = httpx.post(f"{url}/chats", json={}, headers=headers).json()["id"]
     idle = IdleWorker(url, stack.key).start()  # the model is offered: OpenAI requests get as far as SQL
+    unused_key = issue_user_key(ServerSettings(database_url=stack.pg.url), "outage-pooled")  # not in any cache
     stack.pg.kill()
     try:
         _expect_503(httpx.get(f"{url}/chats", headers=headers))
@@ -145,6 +147,14 @@ def test_routes_answer_503_with_retry_after_while_postgres_is_down_and_recoverin
         )
         ready = httpx.get(f"{url}/ready")
         assert ready.status_code == 503 and "Retry-After" in ready.headers
+        # A 503 the server closes the connection after says so: a pooling client sends its next request
+        # on a new connection, never on the one being closed (that request would fail with a reset).
+        with httpx.Client() as pooled:
+            fresh = {"Authorization": f"Bearer {unused_key}"}
+            for _ in range(20):
+                resp = pooled.post(f"{url}/v1/chat/completions", json=body, headers=fresh)
+                _expect_503(resp, openai=True)
+                assert resp.headers.get("connection") == "close", resp.headers
     finally:
         idle.stop()
         stack.pg.start(wait=False)

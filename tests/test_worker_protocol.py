@@ -282,3 +282,50 @@ def test_ended_work_is_remembered_within_the_window_and_bounded_after(
     assert len(client._recent) <= 256 and list(client._recent)[-2:] == ["m7", "late"]
     asyncio.run(client._abort_all())
     assert client.hello().released == [("m7", 2), ("late", 1)]
+
+
+def test_tokens_only_in_the_finished_record_stream_as_the_stored_reasoning_and_content(
+    embedded_stack: str, embedded_settings: ServerSettings
+) -> None:
+    """Tokens the worker never sent as frames (their frames were lost, e.g. with a Redis restart) are
+    streamed from the finished record, which keeps no per-token channels: an OpenAI stream still splits
+    them as stored (reasoning apart from content), never streaming the reasoning block as content."""
+    from server.admin import issue_user_key
+
+    url, key = embedded_stack, worker_key(embedded_settings)
+    user_key = issue_user_key(embedded_settings, "tail-user")
+    texts = ["<think>", "\nhmm", "\n", "</think>", "\n\nhello"]
+    record = {
+        **_record([5, 6, 7, 8, 9], texts),
+        "content": "hello",
+        "reasoning_content": "hmm",
+        "finish_reason": "stop",
+    }
+
+    async def scenario() -> tuple[str, str]:
+        hdrs = {"Authorization": f"Bearer {key}"}
+        async with websockets.connect(websocket_url(url), additional_headers=hdrs) as ws:
+            await ws.send(hello().replace('"model_name": "x"', '"model_name": "raw-tail"'))
+            assert json.loads(await ws.recv())["type"] == "welcome"
+            await ws.send(json.dumps({"type": "credit", "credits": 1}))
+            body = {"model": "raw-tail", "messages": [{"role": "user", "content": "q"}], "stream": True}
+            content, reasoning = [], []
+            auth = {"Authorization": f"Bearer {user_key}"}
+            async with (
+                httpx.AsyncClient(base_url=url, headers=auth) as http,
+                http.stream("POST", "/v1/chat/completions", json=body, timeout=30) as resp,
+            ):
+                assert resp.status_code == 200
+                frame = json.loads(await asyncio.wait_for(ws.recv(), timeout=10))
+                assert frame["type"] == "work"
+                finished = {"type": "finished", "message_id": frame["message_id"], "attempt": frame["attempt"]}
+                await ws.send(json.dumps({**finished, "record": record}))  # no tokens frames at all
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        for choice in json.loads(line[6:]).get("choices") or []:
+                            delta = choice.get("delta") or {}
+                            content.append(delta.get("content") or "")
+                            reasoning.append(delta.get("reasoning_content") or "")
+            return "".join(content), "".join(reasoning)
+
+    assert asyncio.run(scenario()) == ("hello", "hmm")

@@ -58,6 +58,7 @@ from shared.api import MessageState
 from shared.errors import ErrorCode
 from shared.local_link import LinkClosed, ServerEnd, WorkerEnd, worker_link
 from shared.protocol import (
+    CHANNEL_HIDDEN,
     FEATURE_BATCH,
     FEATURE_DRAIN,
     FEATURE_ENGINE,
@@ -560,18 +561,23 @@ class WorkerHub:
             await self.recovery.reject_attempt(conn, inflight, problem)
             return
         # Readers must see every stored token: stream whatever the worker did not send as frames.
+        work = inflight.work
         tail = inflight.next_index
         if tail < len(record.completion_ids):
             offsets = [0, *record.text_offsets]
             texts = [
                 record.completion_text[offsets[i] : offsets[i + 1]] for i in range(tail, len(record.completion_ids))
             ]
+            # The record keeps no per-token channels: a chat reply's readers take these tokens' text from
+            # the stored content and reasoning when the message ends (ReplyStream.finish), rather than
+            # streaming reasoning or tool-call markup as content.
+            chat = work is not None and work.params.raw_prompt is None
+            channels = CHANNEL_HIDDEN * len(texts) if chat else ""
             with contextlib.suppress(StreamConflict):
                 await self.streams.append(
                     frame.message_id,
-                    TokenBatch(tail, record.completion_ids[tail:], record.logprobs[tail:], texts),
+                    TokenBatch(tail, record.completion_ids[tail:], record.logprobs[tail:], texts, channels),
                 )
-        work = inflight.work
         stored = await self.store.store(
             frame.message_id,
             frame.attempt,

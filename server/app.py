@@ -30,6 +30,7 @@ from server.chats.admission import RateLimiter
 from server.chats.catalog import Catalog
 from server.chats.path_cache import PathCache
 from server.db import create_engine, create_session_factory, ping
+from server.hot_sql import HotSql
 from server.metrics import Metrics
 from server.outages import RETRY_AFTER_S
 from server.queue.protocol import WorkerDirectory, WorkQueue
@@ -40,6 +41,7 @@ from server.streams.protocol import TokenStreams
 from server.workers.hub import WorkerHub
 from server.workers.links import LocalWorker
 from shared.errors import API_ERROR_RESPONSES, OPENAI_ERROR_RESPONSES, ErrorCode
+from shared.gc_heap import freeze_startup_heap, unfreeze_heap
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +101,7 @@ def create_app(settings: ServerSettings, local_worker: LocalWorker | None = None
             await asyncio.to_thread(migrate.upgrade, url)
         engine = create_engine(url)
         sessions = create_session_factory(engine)
+        sql = HotSql.for_engine(engine)
         redis = None
         queue: WorkQueue
         directory: WorkerDirectory
@@ -131,7 +134,7 @@ def create_app(settings: ServerSettings, local_worker: LocalWorker | None = None
         )
         metrics = Metrics()
         paths = PathCache()
-        hub = WorkerHub(settings, sessions, queue, directory, streams, metrics, paths)
+        hub = WorkerHub(settings, sessions, queue, directory, streams, metrics, paths, sql)
         if redis is not None:
             from server.workers.relay import RedisRpcRelay
 
@@ -151,14 +154,17 @@ def create_app(settings: ServerSettings, local_worker: LocalWorker | None = None
             metrics=metrics,
             catalog=Catalog(directory, settings.model_grace_s),
             paths=paths,
+            sql=sql,
         )
         try:
             if local_worker is not None:
                 # before the sweep's first pass, which fails pending messages of models no worker offers
                 await local_worker.start(hub.connect_local)
             hub.start()
+            freeze_startup_heap()
             yield
         finally:
+            unfreeze_heap()
             if local_worker is not None:  # before the hub stops: work it hands back is requeued
                 await local_worker.stop(settings.local_drain_timeout_s)
             await hub.stop()
@@ -167,6 +173,7 @@ def create_app(settings: ServerSettings, local_worker: LocalWorker | None = None
             await queue.close()
             if redis is not None:
                 await redis.aclose()
+            sql.close()
             await engine.dispose()
 
     app = FastAPI(title="tokentrail", version="0.1.0", lifespan=lifespan)

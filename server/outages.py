@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -61,7 +62,8 @@ def is_database_unavailable(exc: BaseException) -> bool:
     from sqlalchemy.exc import TimeoutError as PoolTimeout
 
     for e in _chain(exc):
-        if isinstance(e, PoolTimeout | OperationalError):
+        # sqlite3's own error: a statement on SQLite's raw connection (server/raw_sqlite.py), e.g. locked
+        if isinstance(e, PoolTimeout | OperationalError | sqlite3.OperationalError):
             return True
         if isinstance(e, DBAPIError) and e.connection_invalidated:
             return True

@@ -12,6 +12,7 @@ from server.chats.admission import RateLimiter
 from server.chats.catalog import Catalog
 from server.chats.path_cache import PathCache
 from server.db import SessionFactory
+from server.hot_sql import HotSql
 from server.metrics import Metrics
 from server.queue.protocol import WorkerDirectory, WorkQueue
 from server.settings import ServerSettings
@@ -39,4 +40,5 @@ class AppState:
     metrics: Metrics
     catalog: Catalog
     paths: PathCache  # recently used chat paths: turns dispatched without reading them back
+    sql: HotSql  # where the per-turn statements run (SQLite: a raw connection)
     auth_cache: dict[str, tuple[float, User]] = field(default_factory=dict)  # token -> (expiry, user)

@@ -277,3 +277,30 @@ async def test_redis_waiting_readers_share_one_blocking_read(redis_url: str) -> 
             ]
         finally:
             await streams.close()
+
+
+async def test_finished_memory_stream_is_one_batch_that_reads_the_same(mid: str) -> None:
+    """A finished stream is kept for resuming readers as one batch (few objects for the garbage
+    collector); a reader at any position still gets exactly the tokens after it."""
+    streams = MemoryTokenStreams()
+    for start in range(0, 12, 3):
+        ids = list(range(100 + start, 103 + start))
+        texts = [f"t{start + i}" for i in range(3)]
+        await streams.append(
+            mid, TokenBatch(start, ids, [-0.5] * 3, texts, "c" * 3, None, [7, 8] if start == 0 else None)
+        )
+    before = {after: await streams.read(mid, after, timeout_s=0) for after in (-1, 0, 4, 10)}
+    await streams.finish(mid, StreamDone("complete"))
+    assert len(streams._streams[mid].batches) == 1
+    for after, entries in before.items():
+        got = await streams.read(mid, after, timeout_s=0)
+        assert isinstance(got[-1], StreamDone)
+        old = [(i, t, x, c) for e in entries if isinstance(e, TokenBatch) for i, (t, x, c) in _tokens(e) if i > after]
+        new = [(i, t, x, c) for e in got if isinstance(e, TokenBatch) for i, (t, x, c) in _tokens(e) if i > after]
+        assert new == old and len(new) == 11 - after
+    (merged,) = [e for e in await streams.read(mid, -1, timeout_s=0) if isinstance(e, TokenBatch)]
+    assert merged.prompt_ids == [7, 8] and merged.channels == "c" * 12 and merged.logprobs == [-0.5] * 12
+
+
+def _tokens(b: TokenBatch) -> list[tuple[int, tuple[int, str, str]]]:
+    return [(b.start + k, (t, b.texts[k], b.channels[k])) for k, t in enumerate(b.token_ids)]

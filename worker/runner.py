@@ -9,6 +9,7 @@ import logging
 import signal
 from dataclasses import dataclass
 
+from shared.gc_heap import freeze_startup_heap
 from worker import fault_injection
 from worker.chat_format import ChatFormat
 from worker.client import WorkerClient, WorkerOptions
@@ -99,6 +100,7 @@ async def load_model(spec: ModelSpec) -> LoadedModel:
 async def run_worker(spec: ModelSpec, *, server_url: str, api_key: str, drain_timeout_s: float = 60.0) -> None:
     """``tokentrail worker``: serve ``spec`` to a server over its websocket until SIGTERM."""
     loaded = await load_model(spec)
+    freeze_startup_heap()  # this process's own command: the model's objects stay for its life
     try:
         await _serve_until_sigterm(loaded.client(server_url, api_key), drain_timeout_s)
     finally:

@@ -61,7 +61,7 @@ async def create_message(
     except ValueError as exc:
         raise ApiError(ErrorCode.validation_error, str(exc), param="tools", status_code=400) from exc
     conv = parse(request)
-    await admit(state.settings, state.rate_limiter, session, user.id, body.model, 1)
+    await admit(state.settings, state.rate_limiter, state.sql, session, user.id, body.model, 1)
     stops = body.stop_sequences or []
     knobs = SamplingKnobs(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=stops, seed=body.seed)
     # max_tokens is an upper bound: tokentrail's own ceiling (and the model's context) may end sooner

@@ -163,7 +163,7 @@ async def create_assistant_message(
             ErrorCode.unknown_model,
             f"no connected worker offers model {body.model_config_name!r}; see GET /configs/model_configs",
         )
-    await admit(state.settings, state.rate_limiter, repo.session, repo.user.id, body.model_config_name)
+    await admit(state.settings, state.rate_limiter, state.sql, repo.session, repo.user.id, body.model_config_name)
     sampling = body.sampling_parameters
     # no seed unless the client asked for one (DESIGN D17): the engine then samples with its own
     # randomness, on vLLM's batched path rather than per-request generators

@@ -117,7 +117,7 @@ async def _chat(
     except ValueError as exc:
         raise ApiError(ErrorCode.validation_error, str(exc), param="tools", status_code=400) from exc
     conv = parse_messages(body.messages)
-    await admit(state.settings, state.rate_limiter, session, user_id, body.model, body.n)
+    await admit(state.settings, state.rate_limiter, state.sql, session, user_id, body.model, body.n)
     top = (body.top_logprobs or 0) if body.logprobs else 0
     sampling = sampling_params(body, body.max_completion_tokens or body.max_tokens, top)
     kwargs = body.chat_template_kwargs or None

@@ -116,7 +116,7 @@ async def completions(body: CompletionRequest, user: CurrentUser, session: Sessi
             echoes.append(str((await rpc_call(state, body.model, "detokenize", {"tokens": prompt}))["prompt"]))
         else:
             echoes.append("")
-    await admit(state.settings, state.rate_limiter, session, user.id, body.model, len(prompts) * body.n)
+    await admit(state.settings, state.rate_limiter, state.sql, session, user.id, body.model, len(prompts) * body.n)
     jobs: list[_Job] = []
     pending: list[Message] = []
     for k, prompt in enumerate(prompts):
@@ -293,7 +293,7 @@ async def generate(body: GenerateRequest, user: CurrentUser, session: SessionDep
             param="output_mode",
         )
     sampling = sampling_params(sp, sp.max_tokens, sp.logprobs or 0, prefix="sampling_params.")
-    await admit(state.settings, state.rate_limiter, session, user.id, model, sp.n)
+    await admit(state.settings, state.rate_limiter, state.sql, session, user.id, model, sp.n)
     _chat, prompt_msg, msgs = await store_raw(
         session,
         user.id,

@@ -135,7 +135,7 @@ async def create_response(
         system_prompt=prev.work.system_prompt if prev is not None else None,
     )
     conv = conversation(tr)
-    await admit(state.settings, state.rate_limiter, session, user.id, body.model, 1)
+    await admit(state.settings, state.rate_limiter, state.sql, session, user.id, body.model, 1)
     sampling = sampling_params(body, body.max_output_tokens or body.max_tokens, 0)
     cont = await start_turn(
         state,

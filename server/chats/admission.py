@@ -23,6 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.constants import RATE_LIMIT
 from server.errors import ApiError
+from server.hot_sql import HotSql
 from server.models import CHATS, MESSAGE_IS_OPEN, MESSAGES
 from server.settings import ServerSettings
 from shared.errors import ErrorCode
@@ -104,21 +105,27 @@ _OPEN_MESSAGES = (
 )
 
 
-async def open_messages(session: AsyncSession, user_id: str, model: str) -> int:
-    conn = await session.connection()
-    n = (await conn.execute(_OPEN_MESSAGES, {"model": model, "user_id": user_id})).scalar()
-    return int(n or 0)
+async def open_messages(sql: HotSql, session: AsyncSession, user_id: str, model: str) -> int:
+    rows = await sql.rows(session, _OPEN_MESSAGES, {"model": model, "user_id": user_id})
+    return int(rows[0][0] or 0) if rows else 0
 
 
 async def admit(
-    settings: ServerSettings, limiter: RateLimiter, session: AsyncSession, user_id: str, model: str, count: int = 1
+    settings: ServerSettings,
+    limiter: RateLimiter,
+    sql: HotSql,
+    session: AsyncSession,
+    user_id: str,
+    model: str,
+    count: int = 1,
 ) -> None:
     """Raise 429 unless ``user_id`` may queue ``count`` more generations of ``model`` now. Uses the
-    request's own session: a second connection per request could exhaust the pool under load."""
+    request's own session (a second connection per request could exhaust the pool under load), or
+    SQLite's raw connection."""
     share = max(1, math.floor(settings.user_queue_share * settings.max_queue_size))
     if count > share:
         raise ApiError(ErrorCode.queue_share_exceeded, f"one request may ask for at most {share} generations")
-    open_now = await open_messages(session, user_id, model)
+    open_now = await open_messages(sql, session, user_id, model)
     if open_now + count > share:
         raise ApiError(
             ErrorCode.queue_share_exceeded,

@@ -6,6 +6,7 @@ that was presumed lost, a redelivered queue entry) can never overwrite newer sta
 
 from __future__ import annotations
 
+import sqlite3
 from datetime import datetime
 from typing import Any
 
@@ -16,6 +17,7 @@ from sqlalchemy.orm import aliased
 
 from server.chats.repository import decode_stop_reason, encode_stop_reason
 from server.db import SessionFactory
+from server.hot_sql import HotSql, Step
 from server.models import MESSAGE_IS_OPEN, MESSAGE_TOKENS, MESSAGES, Chat, Message, MessageTokens, utcnow
 from server.sql_lists import state_in
 from shared.api import FINISHED_STATES, MessageState, WorkParameters
@@ -87,9 +89,10 @@ _SET_CHAIN = update(MESSAGES).where(_M.id == bindparam("b_id")).values(chain_has
 
 
 class WorkStore:
-    def __init__(self, sessions: SessionFactory) -> None:
+    def __init__(self, sessions: SessionFactory, sql: HotSql | None = None) -> None:
         self.sessions = sessions
         self.engine: AsyncEngine = sessions.kw["bind"]  # Core statements run on it directly
+        self.sql = sql or HotSql(self.engine)  # the per-turn statements (start, store)
 
     async def load(self, message_id: str) -> tuple[Message, list[Message]] | None:
         """The message and its ancestors root-first (excluding itself), or None if it is gone."""
@@ -145,11 +148,8 @@ class WorkStore:
         return WorkParameters.model_validate(msg.work_parameters)
 
     async def start(self, message_id: str, attempt: int, worker_id: str) -> bool:
-        async with self.engine.begin() as conn:
-            res = await conn.execute(
-                _START, {"b_id": message_id, "b_attempt": attempt, "b_worker_id": worker_id, "b_now": utcnow()}
-            )
-            return bool(res.rowcount)
+        params = {"b_id": message_id, "b_attempt": attempt, "b_worker_id": worker_id, "b_now": utcnow()}
+        return await self.sql.transact(None, [Step(_START, params, required=True)]) is not None
 
     async def next_attempt(
         self, message_id: str, attempt: int, *, failed: bool = False, engine_death: bool = False
@@ -308,16 +308,17 @@ class WorkStore:
             "created_at": now,
         }
         try:
-            async with self.engine.begin() as conn:
-                if key is not None:
-                    res = await conn.execute(_STORE_INDEXED, {**values, "b_chain_hash": key})
-                else:
-                    res = await conn.execute(_STORE, values)
-                if not res.rowcount:
-                    return None
-                if not chain_known:
+            if not chain_known:  # recovery's rare path: the parent's chain hash is read in the transaction
+                async with self.engine.begin() as conn:
+                    if not (await conn.execute(_STORE, values)).rowcount:
+                        return None
                     await self._index(conn, message_id, record)
-                await conn.execute(_INSERT_TOKENS, tokens)
-        except IntegrityError:
+                    await conn.execute(_INSERT_TOKENS, tokens)
+                return tokens
+            update = Step(_STORE_INDEXED, {**values, "b_chain_hash": key}) if key is not None else Step(_STORE, values)
+            steps = [Step(update.stmt, update.params, required=True), Step(_INSERT_TOKENS, tokens)]
+            if await self.sql.transact(None, steps) is None:
+                return None
+        except (IntegrityError, sqlite3.IntegrityError):
             return None  # the record of this attempt was stored already
         return tokens

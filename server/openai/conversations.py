@@ -27,6 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.chats.repository import message_row, pending_assistant
 from server.errors import ApiError
+from server.hot_sql import HotSql, Step
 from server.models import CHATS, MESSAGES, Chat, Message, new_id, utcnow
 from server.sql_lists import in_list, list_param, state_in
 from shared.api import MAX_CONTENT_CHARS, MAX_TOOL_ARGUMENTS_CHARS, MessageState, SamplingParameters, WorkParameters
@@ -228,18 +229,34 @@ class _Match:
 
 
 class ConversationStore:
-    """The request's session, used through Core statements: a chat turn runs five or six of them."""
+    """Core statements (a chat turn runs five or six of them) in the request's session, or on SQLite's
+    raw connection (``server/hot_sql.py``)."""
 
-    def __init__(self, session: AsyncSession, user_id: str) -> None:
+    def __init__(self, session: AsyncSession, user_id: str, sql: HotSql | None = None) -> None:
         self.session = session
         self.user_id = user_id
+        self.sql = sql
 
     async def _lookups(self) -> _Lookups:
+        if self.sql is not None:
+            return _lookups(self.sql.dialect)
         return _lookups((await self.session.connection()).dialect.name)
 
     async def _rows(self, stmt: Any, params: dict[str, Any]) -> list[Any]:
+        if self.sql is not None:
+            return await self.sql.rows(self.session, stmt, params)
         conn = await self.session.connection()
         return list((await conn.execute(stmt, params)).all())
+
+    async def _write(self, steps: list[Step]) -> None:
+        """The turn's writes, in the request's transaction, committed."""
+        if self.sql is not None:
+            await self.sql.transact(self.session, steps)
+            return
+        conn = await self.session.connection()
+        for step in steps:
+            await conn.execute(step.stmt, step.params if isinstance(step.params, dict) else list(step.params))
+        await self.session.commit()
 
     async def longest_match(
         self, hashes: list[str], chat_id: str | None, session_key: str | None = None
@@ -305,7 +322,7 @@ class ConversationStore:
         pinned = await self._owned_chat(conversation_id) if conversation_id is not None else None
         match, matched = await self.longest_match(hashes, conversation_id, session_key)
         now = utcnow()
-        conn = await self.session.connection()
+        writes: list[Step] = []
         if match is not None:
             chat_id = pinned or match.chat_id
         elif pinned is not None:
@@ -325,7 +342,7 @@ class ConversationStore:
                 "tools": tools,
                 "active_thread_tail_message_id": None,
             }
-            await conn.execute(_INSERT_CHAT, chat_row)
+            writes.append(Step(_INSERT_CHAT, chat_row))
         tail = conv.path[matched:]
         parent_id = match.id if match is not None else None
         # a new chat has no other continuations to fork from
@@ -376,9 +393,9 @@ class ConversationStore:
         )
         for a in assistants:
             a.session_key = session_key
-        await conn.execute(_INSERT_MESSAGES, [message_row(m, now) for m in (*stored, *assistants)])
-        await conn.execute(_TOUCH_CHAT, {"chat_id": chat_id, "now": now, "tail": assistants[0].id})
-        await self.session.commit()
+        writes.append(Step(_INSERT_MESSAGES, [message_row(m, now) for m in (*stored, *assistants)]))
+        writes.append(Step(_TOUCH_CHAT, {"chat_id": chat_id, "now": now, "tail": assistants[0].id}))
+        await self._write(writes)
         decision, stop, broke = lineage(conv, matched, match is not None, forked)
         holder = match.worker_id if match is not None else None
         return Continued(

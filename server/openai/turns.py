@@ -31,7 +31,7 @@ async def start_turn(
     required_prefix_ids: list[int] | None = None,
     session_key: str | None = None,
 ) -> Continued:
-    cont = await ConversationStore(session, user_id).continue_path(
+    cont = await ConversationStore(session, user_id, state.sql).continue_path(
         conv=conv,
         seed=seed_for(user_id, model, conv, tools, template_kwargs),
         model=model,

@@ -28,6 +28,7 @@ from server.chats.finished import RecentlyFinished
 from server.chats.path_cache import PathCache
 from server.chats.work_store import WorkStore, reply_chain_hash
 from server.db import SessionFactory
+from server.hot_sql import HotSql
 from server.metrics import Metrics, StreamTimer, seconds_since
 from server.models import WorkerKey
 from server.outages import is_unavailable, until_available
@@ -94,6 +95,7 @@ class WorkerHub:
         streams: TokenStreams,
         metrics: Metrics,
         paths: PathCache,
+        sql: HotSql | None = None,
     ) -> None:
         self.settings = settings
         self.sessions = sessions
@@ -101,7 +103,7 @@ class WorkerHub:
         self.directory = directory
         self.streams = streams
         self.metrics = metrics
-        self.store = WorkStore(sessions)
+        self.store = WorkStore(sessions, sql)
         self.source = WorkSource(self.store, paths)
         self.finished = RecentlyFinished()  # replies stored here a moment ago, for their readers
         self.connections: dict[str, WorkerConnection] = {}

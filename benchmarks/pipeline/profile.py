@@ -24,6 +24,7 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     ("/asyncpg/", "SQL driver"),
     ("/sqlite3/", "SQL driver"),
     ("/server/sqlite_inline.py", "SQL driver"),  # the shim whose frames hold sqlite3's C calls
+    ("/server/raw_sqlite.py", "SQL driver"),  # the raw connection of the per-turn statements
     ("/alembic/", "SQLAlchemy"),
     ("/uvicorn/", "HTTP server (uvicorn, h11, httptools)"),
     ("/h11/", "HTTP server (uvicorn, h11, httptools)"),

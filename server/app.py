@@ -162,8 +162,10 @@ def create_app(settings: ServerSettings, local_worker: LocalWorker | None = None
                 await local_worker.start(hub.connect_local)
             hub.start()
             freeze_startup_heap()
+            metrics.watch_gc()
             yield
         finally:
+            metrics.unwatch_gc()
             unfreeze_heap()
             if local_worker is not None:  # before the hub stops: work it hands back is requeued
                 await local_worker.stop(settings.local_drain_timeout_s)

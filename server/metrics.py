@@ -9,6 +9,8 @@ series named ``tokentrail_cluster_*`` describe the whole cluster and are the sam
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,6 +28,7 @@ from shared.api import MessageState
 # Seconds: from a few milliseconds (a warm GPU) to minutes (a long queue).
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5)
+_GC_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
 _OPEN = (MessageState.pending.value, MessageState.in_progress.value)
 
 
@@ -157,6 +160,30 @@ class Metrics:
         self.scrape_errors = Counter(
             "tokentrail_metrics_scrape_errors", "State reads that failed during a scrape", ["what"], registry=r
         )
+        self.gc_pause = Histogram(
+            "tokentrail_gc_pause_seconds",
+            "Garbage-collector pauses of this process (the event loop stops for each), by generation",
+            ["generation"],
+            buckets=_GC_BUCKETS,
+            registry=r,
+        )
+        self._gc_children = [self.gc_pause.labels(str(g)) for g in range(3)]
+        self._gc_started = 0.0
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self._gc_children[info["generation"]].observe(time.perf_counter() - self._gc_started)
+
+    def watch_gc(self) -> None:
+        """Time this process's garbage collections until ``unwatch_gc``."""
+        if self._on_gc not in gc.callbacks:
+            gc.callbacks.append(self._on_gc)
+
+    def unwatch_gc(self) -> None:
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(self._on_gc)
 
     def model_series(self, model: str) -> ModelSeries:
         series = self._series.get(model)

@@ -112,3 +112,25 @@ def test_the_grafana_dashboard_plots_metrics_the_server_exports(embedded_stack: 
     text = httpx.get(f"{embedded_stack}/metrics").text
     exported = {family.name for family in text_string_to_metric_families(text)}  # listed even before a sample
     assert used and used <= exported, used - exported
+
+
+def test_garbage_collector_pauses_are_timed_while_watched() -> None:
+    import gc
+
+    from server.metrics import Metrics
+
+    metrics = Metrics()
+
+    def collections() -> float:
+        samples = {(s.name, s.labels.get("generation")): s.value for f in metrics.gc_pause.collect() for s in f.samples}
+        return samples.get(("tokentrail_gc_pause_seconds_count", "2"), 0.0)
+
+    metrics.watch_gc()
+    metrics.watch_gc()  # once only
+    try:
+        gc.collect()
+        assert collections() == 1
+    finally:
+        metrics.unwatch_gc()
+    gc.collect()
+    assert collections() == 1

@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> list[Point]:
                 ) as stack:
                     # the server process holds the worker (and the hf engine); vLLM's engine core is its child
                     roles = [Role("server", stack.pids["server"], "engine_core")]
-                    meter = CpuMeter(roles, client=True, profiler=profiler)
+                    meter = CpuMeter(roles, client=True, profiler=profiler, metrics_url=f"{stack.url}/metrics")
                     points += asyncio.run(
                         drive_tokentrail(arm, stack.url, stack.user_key, meter, apis, loads, levels, args.duration)
                     )
@@ -147,7 +147,13 @@ def run(args: argparse.Namespace) -> list[Point]:
                     tokentrail_stack(sub, model_dir, max(levels), args.engine, env, engine_args=engine_args) as stack,
                 ):
                     roles = [Role("server", stack.pids["server"]), Role("worker", stack.pids["worker"], "engine_core")]
-                    meter = CpuMeter(roles, services=arm == "redis", client=True, profiler=profiler)
+                    meter = CpuMeter(
+                        roles,
+                        services=arm == "redis",
+                        client=True,
+                        profiler=profiler,
+                        metrics_url=f"{stack.url}/metrics",
+                    )
                     points += asyncio.run(
                         drive_tokentrail(arm, stack.url, stack.user_key, meter, apis, loads, levels, args.duration)
                     )

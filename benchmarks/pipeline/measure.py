@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,7 @@ class Point:
     cached_tokens_by_turn: list[int] = field(default_factory=list)
     usage_by_turn: list[int] = field(default_factory=list)  # how many turns reported usage
     cpu_s: dict[str, float] = field(default_factory=dict)  # process (role) -> CPU seconds in the window
+    gc: dict[str, float] = field(default_factory=dict)  # the server's garbage collector in the window (/metrics)
     counts: dict[str, int] = field(default_factory=dict)  # e.g. tokentrail's prompt methods, forks
 
     def count(self, window: Window, what: str) -> None:
@@ -171,9 +173,18 @@ class CpuMeter:
     (by command name), ``client`` this process (the benchmark's own clients)."""
 
     def __init__(
-        self, roles: Sequence[Role], *, services: bool = False, client: bool = False, profiler: Profiler | None = None
+        self,
+        roles: Sequence[Role],
+        *,
+        services: bool = False,
+        client: bool = False,
+        profiler: Profiler | None = None,
+        metrics_url: str | None = None,
     ) -> None:
         self.roles = list(roles)
+        self.metrics_url = metrics_url  # a tokentrail server's /metrics: its GC pauses are read too
+        self._gc0: dict[str, float] = {}
+        self.last_gc: dict[str, float] = {}
         self.services = services
         self.client = client
         self.profiler = profiler
@@ -210,18 +221,42 @@ class CpuMeter:
         """Open the window; with a profiler, sample each process for ``duration_s``."""
         if self.profiler is not None:
             self.profiler.start(self.label, self._targets(), duration_s)
+        self._gc0 = gc_totals(self.metrics_url) if self.metrics_url else {}
         self._start = self._read()
         self._client0 = time.process_time()
 
     def stop(self) -> dict[str, float]:
         now = self._read()
         out = {k: v - self._start.get(k, 0.0) for k, v in now.items()}
+        if self.metrics_url:
+            gc_now = gc_totals(self.metrics_url)
+            self.last_gc = {k: v - self._gc0.get(k, 0.0) for k, v in gc_now.items()}
         if self.client:
             out["client"] = time.process_time() - self._client0
         if self.profiler is not None:
             for line in self.profiler.stop(self.label):
                 say(line)
         return out
+
+
+def gc_totals(metrics_url: str) -> dict[str, float]:
+    """From a tokentrail server's ``/metrics``: seconds in garbage collection, collections, and those over
+    50 ms (``tokentrail_gc_pause_seconds``, summed over generations). Read at a window's ends."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+        text = resp.read().decode()
+    out = {"seconds": 0.0, "collections": 0.0, "upto_50ms": 0.0}
+    for line in text.splitlines():
+        if not line.startswith("tokentrail_gc_pause_seconds"):
+            continue
+        name, _, value = line.rpartition(" ")
+        if name.startswith("tokentrail_gc_pause_seconds_sum"):
+            out["seconds"] += float(value)
+        elif name.startswith("tokentrail_gc_pause_seconds_count"):
+            out["collections"] += float(value)
+        elif name.startswith("tokentrail_gc_pause_seconds_bucket") and 'le="0.05"' in name:
+            out["upto_50ms"] += float(value)  # buckets are cumulative: the pauses of at most 50 ms
+    out["long"] = out["collections"] - out["upto_50ms"]
+    return out
 
 
 def summary(p: Point) -> dict[str, Any]:
@@ -261,4 +296,8 @@ def summary(p: Point) -> dict[str, Any]:
     if p.tokens:
         for k, v in p.cpu_s.items():
             out[f"{k}_cpu_ms_per_token"] = round(1000 * v / p.tokens, 3)
+    if p.gc and p.cpu_s.get("server"):
+        out["server_gc_share_of_cpu"] = round(p.gc["seconds"] / p.cpu_s["server"], 3)
+        out["server_gc_collections"] = int(p.gc["collections"])
+        out["server_gc_pauses_over_50ms"] = int(p.gc["long"])
     return out

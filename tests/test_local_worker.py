@@ -165,7 +165,9 @@ def test_shutdown_hands_back_what_it_cannot_finish(tmp_path: Path, tiny_model_di
     wait_for(lambda: _started(server.url, headers, chat, mid), 60, "the reply to start")
     server.stop()
     assert not server.thread.is_alive()
-    idle = ServerThread(settings.model_copy(update={"sweep_interval_s": 600.0})).start()
+    # its sweep must not touch the message: its first pass runs at startup and would fail a pending
+    # message that no worker offers once the message is older than the grace (a slow machine)
+    idle = ServerThread(settings.model_copy(update={"sweep_interval_s": 600.0, "sweep_grace_s": 600.0})).start()
     try:  # handed back: waiting for a worker, not held by one that is gone
         assert message(idle.url, login(idle.url, "handback"), chat, mid)["state"] == "pending"
     finally:

@@ -221,7 +221,7 @@ class CpuMeter:
         """Open the window; with a profiler, sample each process for ``duration_s``."""
         if self.profiler is not None:
             self.profiler.start(self.label, self._targets(), duration_s)
-        self._gc0 = gc_totals(self.metrics_url) if self.metrics_url else {}
+        self._gc0 = server_totals(self.metrics_url) if self.metrics_url else {}
         self._start = self._read()
         self._client0 = time.process_time()
 
@@ -229,7 +229,7 @@ class CpuMeter:
         now = self._read()
         out = {k: v - self._start.get(k, 0.0) for k, v in now.items()}
         if self.metrics_url:
-            gc_now = gc_totals(self.metrics_url)
+            gc_now = server_totals(self.metrics_url)
             self.last_gc = {k: v - self._gc0.get(k, 0.0) for k, v in gc_now.items()}
         if self.client:
             out["client"] = time.process_time() - self._client0
@@ -239,20 +239,28 @@ class CpuMeter:
         return out
 
 
-def gc_totals(metrics_url: str) -> dict[str, float]:
-    """From a tokentrail server's ``/metrics``: seconds in garbage collection, collections, and those over
-    50 ms (``tokentrail_gc_pause_seconds``, summed over generations). Read at a window's ends."""
+def server_totals(metrics_url: str) -> dict[str, float]:
+    """From a tokentrail server's ``/metrics``, summed over labels: seconds in garbage collection,
+    collections and those over 50 ms (``tokentrail_gc_pause_seconds``); queue waits (request -> a
+    worker starts it) and server-side TTFTs, their sums and counts. Read at a window's ends."""
     with urllib.request.urlopen(metrics_url, timeout=10) as resp:
         text = resp.read().decode()
-    out = {"seconds": 0.0, "collections": 0.0, "upto_50ms": 0.0}
+    out = dict.fromkeys(("seconds", "collections", "upto_50ms", "wait_s", "waits", "ttft_s", "ttfts"), 0.0)
+    series = {
+        "tokentrail_gc_pause_seconds_sum": "seconds",
+        "tokentrail_gc_pause_seconds_count": "collections",
+        "tokentrail_queue_wait_seconds_sum": "wait_s",
+        "tokentrail_queue_wait_seconds_count": "waits",
+        "tokentrail_ttft_seconds_sum": "ttft_s",
+        "tokentrail_ttft_seconds_count": "ttfts",
+    }
     for line in text.splitlines():
-        if not line.startswith("tokentrail_gc_pause_seconds"):
+        if not line.startswith("tokentrail_"):
             continue
         name, _, value = line.rpartition(" ")
-        if name.startswith("tokentrail_gc_pause_seconds_sum"):
-            out["seconds"] += float(value)
-        elif name.startswith("tokentrail_gc_pause_seconds_count"):
-            out["collections"] += float(value)
+        key = series.get(name.partition("{")[0])
+        if key is not None:
+            out[key] += float(value)
         elif name.startswith("tokentrail_gc_pause_seconds_bucket") and 'le="0.05"' in name:
             out["upto_50ms"] += float(value)  # buckets are cumulative: the pauses of at most 50 ms
     out["long"] = out["collections"] - out["upto_50ms"]
@@ -300,4 +308,7 @@ def summary(p: Point) -> dict[str, Any]:
         out["server_gc_share_of_cpu"] = round(p.gc["seconds"] / p.cpu_s["server"], 3)
         out["server_gc_collections"] = int(p.gc["collections"])
         out["server_gc_pauses_over_50ms"] = int(p.gc["long"])
+        waits, ttfts = p.gc.get("waits", 0.0), p.gc.get("ttfts", 0.0)
+        out["server_queue_wait_mean_ms"] = round(1000 * p.gc["wait_s"] / waits, 1) if waits else None
+        out["server_ttft_mean_ms"] = round(1000 * p.gc["ttft_s"] / ttfts, 1) if ttfts else None
     return out

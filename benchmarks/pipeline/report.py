@@ -175,9 +175,12 @@ def print_report(points: Sequence[Point], engine: str) -> None:
     collected = [s for s in sums if "server_gc_share_of_cpu" in s]
     if collected:
         head = [*IDENT, ("GC share of CPU", 16), ("collections", 12), ("pauses > 50 ms", 15)]
+        head += [("queue wait", 10), ("TTFT", 7)]
         keys = ("server_gc_share_of_cpu", "server_gc_collections", "server_gc_pauses_over_50ms")
-        rows = [[*_ident(s), *(s[k] for k in keys)] for s in collected]
-        _table("tokentrail server's garbage collector in the window (its /metrics)", head, rows)
+        keys += ("server_queue_wait_mean_ms", "server_ttft_mean_ms")
+        rows = [[*_ident(s), *(s.get(k) for k in keys)] for s in collected]
+        title = "tokentrail server in the window (its /metrics): garbage collector; mean queue wait and TTFT (ms)"
+        _table(title, head, rows)
     agents = [s for s in sums if s["workload"] == "agent"]
     turns = max((len(s["ttft_p50_ms_by_turn"]) for s in agents), default=0)
     head = IDENT + [(f"t{k + 1}", 7) for k in range(turns)]

@@ -11,6 +11,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 SessionFactory = async_sessionmaker[AsyncSession]
 
+# Every SQLite connection's settings: WAL lets SSE readers run while a worker's record is written;
+# NORMAL syncs at checkpoints, not at every commit; FKs are off by default; a locked database is waited
+# for (30 s) rather than failing at once.
+SQLITE_PRAGMAS = ("journal_mode=WAL", "synchronous=NORMAL", "foreign_keys=ON", "busy_timeout=30000")
+
 
 def ensure_sqlite_dir(url: str) -> None:
     """SQLite creates the file but not its folder: make the folder of a file database."""
@@ -35,12 +40,9 @@ def create_engine(url: str, *, inline: bool = True) -> AsyncEngine:
 
         @event.listens_for(engine.sync_engine, "connect")
         def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
-            # WAL lets SSE readers run while a worker's record is written; FKs are off by default.
             cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute("PRAGMA synchronous=NORMAL")
-            cur.execute("PRAGMA foreign_keys=ON")
-            cur.execute("PRAGMA busy_timeout=30000")
+            for pragma in SQLITE_PRAGMAS:
+                cur.execute(f"PRAGMA {pragma}")
             cur.close()
 
         return engine

@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy.engine.url import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.sql.base import Executable
 
@@ -26,7 +25,7 @@ class HotSql:
     def for_engine(cls, engine: AsyncEngine, *, raw: bool = True) -> HotSql:
         """With ``raw``, a SQLite file database gets a raw connection of its own (an in-memory one cannot:
         a second connection would see another database)."""
-        url = make_url(str(engine.url))
+        url = engine.url
         path = url.database
         if raw and url.get_backend_name() == "sqlite" and path and path != ":memory:" and "mode=memory" not in path:
             return cls(engine, RawSqlite(path, engine.dialect))

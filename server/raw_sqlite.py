@@ -27,6 +27,8 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.selectable import Select
 
+from server.db import SQLITE_PRAGMAS
+
 _MISSING = object()
 
 
@@ -54,7 +56,7 @@ class _Prepared:
     defaults: tuple[Any, ...]  # values written into the statement (literals), _MISSING where none
     binds: tuple[Callable[[Any], Any] | None, ...]
     row: Any  # a namedtuple type for a SELECT's rows, else None
-    results: tuple[Callable[[Any], Any] | None, ...]
+    results: tuple[Callable[[Any], Any] | None, ...] | None  # per column; None when no column has one
 
     def values(self, params: dict[str, Any]) -> tuple[Any, ...]:
         out = []
@@ -71,15 +73,10 @@ class _Prepared:
 class RawSqlite:
     """A connection of its own to the database file, running prepared Core statements."""
 
-    def __init__(self, path: str, dialect: Dialect, timeout_s: float = 30.0) -> None:
+    def __init__(self, path: str, dialect: Dialect) -> None:
         # autocommit mode: reads see the latest commit; writes are explicit BEGIN IMMEDIATE ... COMMIT
-        self._conn = sqlite3.connect(path, timeout=timeout_s, check_same_thread=False, isolation_level=None)
-        for pragma in (
-            "journal_mode=WAL",
-            "synchronous=NORMAL",
-            "foreign_keys=ON",
-            f"busy_timeout={int(timeout_s * 1000)}",
-        ):
+        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        for pragma in SQLITE_PRAGMAS:  # the same as SQLAlchemy's connections (busy_timeout included)
             self._conn.execute(f"PRAGMA {pragma}")
         self._dialect = dialect
         self._prepared: dict[tuple[int, tuple[str, ...] | None], tuple[Executable, _Prepared]] = {}
@@ -119,11 +116,13 @@ class RawSqlite:
             compiled.binds[name].type.dialect_impl(self._dialect).bind_processor(self._dialect) for name in names
         )
         row_type: Any = None
-        results: tuple[Callable[[Any], Any] | None, ...] = ()
+        results: tuple[Callable[[Any], Any] | None, ...] | None = None
         if isinstance(stmt, Select):
             columns = list(stmt.selected_columns)
             row_type = _row_type([c.key or f"c{k}" for k, c in enumerate(columns)])
             results = tuple(c.type.dialect_impl(self._dialect).result_processor(self._dialect, None) for c in columns)
+            if all(f is None for f in results):
+                results = None
         prepared = _Prepared(str(compiled), names, tuple(defaults), binds, row_type, results)
         self._prepared[cache_key] = (stmt, prepared)
         return prepared
@@ -132,7 +131,7 @@ class RawSqlite:
         """A SELECT's rows (namedtuples, values as SQLAlchemy reads them)."""
         p = self._prepare(stmt, None)
         raw = self._conn.execute(p.sql, p.values(params)).fetchall()
-        if any(r is not None for r in p.results):
+        if p.results is not None:
             raw = [tuple(f(v) if f is not None else v for f, v in zip(p.results, r, strict=True)) for r in raw]
         return [p.row._make(r) for r in raw]
 

@@ -14,16 +14,20 @@ import gc
 # that live across a few awaits die young instead of being promoted into the old generations, whose
 # growth is what triggers full collections.
 YOUNG_THRESHOLD = 50_000
+_before: list[int] = []  # the young threshold ``freeze_startup_heap`` replaced
 
 
 def freeze_startup_heap() -> None:
     gc.collect()
     gc.freeze()
-    _, middle, old = gc.get_threshold()
+    young, middle, old = gc.get_threshold()
+    if not _before:
+        _before.append(young)
     gc.set_threshold(YOUNG_THRESHOLD, middle, old)
 
 
 def unfreeze_heap() -> None:
     """At shutdown: what was frozen may be collected again (tests run many apps in one process)."""
     gc.unfreeze()
-    gc.set_threshold(700, *gc.get_threshold()[1:])  # CPython's default
+    if _before:
+        gc.set_threshold(_before.pop(), *gc.get_threshold()[1:])

@@ -144,7 +144,7 @@ async def closed_loop(
     async def read_meter(m: CpuMeter) -> None:
         await asyncio.sleep(max(0.0, window.end - time.perf_counter()))
         point.cpu_s = m.stop()
-        point.gc = m.last_gc
+        point.server = m.last_server
 
     reading = None
     if meter is not None:

@@ -39,7 +39,7 @@ class Point:
     cached_tokens_by_turn: list[int] = field(default_factory=list)
     usage_by_turn: list[int] = field(default_factory=list)  # how many turns reported usage
     cpu_s: dict[str, float] = field(default_factory=dict)  # process (role) -> CPU seconds in the window
-    gc: dict[str, float] = field(default_factory=dict)  # the server's garbage collector in the window (/metrics)
+    server: dict[str, float] = field(default_factory=dict)  # the server's own figures over the window (/metrics)
     counts: dict[str, int] = field(default_factory=dict)  # e.g. tokentrail's prompt methods, forks
 
     def count(self, window: Window, what: str) -> None:
@@ -182,9 +182,9 @@ class CpuMeter:
         metrics_url: str | None = None,
     ) -> None:
         self.roles = list(roles)
-        self.metrics_url = metrics_url  # a tokentrail server's /metrics: its GC pauses are read too
-        self._gc0: dict[str, float] = {}
-        self.last_gc: dict[str, float] = {}
+        self.metrics_url = metrics_url  # a tokentrail server's /metrics: its own figures are read too
+        self._server0: dict[str, float] = {}
+        self.last_server: dict[str, float] = {}
         self.services = services
         self.client = client
         self.profiler = profiler
@@ -221,7 +221,7 @@ class CpuMeter:
         """Open the window; with a profiler, sample each process for ``duration_s``."""
         if self.profiler is not None:
             self.profiler.start(self.label, self._targets(), duration_s)
-        self._gc0 = server_totals(self.metrics_url) if self.metrics_url else {}
+        self._server0 = server_totals(self.metrics_url) if self.metrics_url else {}
         self._start = self._read()
         self._client0 = time.process_time()
 
@@ -229,8 +229,8 @@ class CpuMeter:
         now = self._read()
         out = {k: v - self._start.get(k, 0.0) for k, v in now.items()}
         if self.metrics_url:
-            gc_now = server_totals(self.metrics_url)
-            self.last_gc = {k: v - self._gc0.get(k, 0.0) for k, v in gc_now.items()}
+            now_server = server_totals(self.metrics_url)
+            self.last_server = {k: v - self._server0.get(k, 0.0) for k, v in now_server.items()}
         if self.client:
             out["client"] = time.process_time() - self._client0
         if self.profiler is not None:
@@ -245,9 +245,9 @@ def server_totals(metrics_url: str) -> dict[str, float]:
     worker starts it) and server-side TTFTs, their sums and counts. Read at a window's ends."""
     with urllib.request.urlopen(metrics_url, timeout=10) as resp:
         text = resp.read().decode()
-    out = dict.fromkeys(("seconds", "collections", "upto_50ms", "wait_s", "waits", "ttft_s", "ttfts"), 0.0)
+    out = dict.fromkeys(("gc_s", "collections", "upto_50ms", "wait_s", "waits", "ttft_s", "ttfts"), 0.0)
     series = {
-        "tokentrail_gc_pause_seconds_sum": "seconds",
+        "tokentrail_gc_pause_seconds_sum": "gc_s",
         "tokentrail_gc_pause_seconds_count": "collections",
         "tokentrail_queue_wait_seconds_sum": "wait_s",
         "tokentrail_queue_wait_seconds_count": "waits",
@@ -304,11 +304,11 @@ def summary(p: Point) -> dict[str, Any]:
     if p.tokens:
         for k, v in p.cpu_s.items():
             out[f"{k}_cpu_ms_per_token"] = round(1000 * v / p.tokens, 3)
-    if p.gc and p.cpu_s.get("server"):
-        out["server_gc_share_of_cpu"] = round(p.gc["seconds"] / p.cpu_s["server"], 3)
-        out["server_gc_collections"] = int(p.gc["collections"])
-        out["server_gc_pauses_over_50ms"] = int(p.gc["long"])
-        waits, ttfts = p.gc.get("waits", 0.0), p.gc.get("ttfts", 0.0)
-        out["server_queue_wait_mean_ms"] = round(1000 * p.gc["wait_s"] / waits, 1) if waits else None
-        out["server_ttft_mean_ms"] = round(1000 * p.gc["ttft_s"] / ttfts, 1) if ttfts else None
+    s = p.server
+    if s and p.cpu_s.get("server"):
+        out["server_gc_share_of_cpu"] = round(s["gc_s"] / p.cpu_s["server"], 3)
+        out["server_gc_collections"] = int(s["collections"])
+        out["server_gc_pauses_over_50ms"] = int(s["long"])
+        out["server_queue_wait_mean_ms"] = round(1000 * s["wait_s"] / s["waits"], 1) if s["waits"] else None
+        out["server_ttft_mean_ms"] = round(1000 * s["ttft_s"] / s["ttfts"], 1) if s["ttfts"] else None
     return out

@@ -232,31 +232,16 @@ class ConversationStore:
     """Core statements (a chat turn runs five or six of them) in the request's session, or on SQLite's
     raw connection (``server/hot_sql.py``)."""
 
-    def __init__(self, session: AsyncSession, user_id: str, sql: HotSql | None = None) -> None:
+    def __init__(self, session: AsyncSession, user_id: str, sql: HotSql) -> None:
         self.session = session
         self.user_id = user_id
         self.sql = sql
 
     async def _lookups(self) -> _Lookups:
-        if self.sql is not None:
-            return _lookups(self.sql.dialect)
-        return _lookups((await self.session.connection()).dialect.name)
+        return _lookups(self.sql.dialect)
 
     async def _rows(self, stmt: Any, params: dict[str, Any]) -> list[Any]:
-        if self.sql is not None:
-            return await self.sql.rows(self.session, stmt, params)
-        conn = await self.session.connection()
-        return list((await conn.execute(stmt, params)).all())
-
-    async def _write(self, steps: list[Step]) -> None:
-        """The turn's writes, in the request's transaction, committed."""
-        if self.sql is not None:
-            await self.sql.transact(self.session, steps)
-            return
-        conn = await self.session.connection()
-        for step in steps:
-            await conn.execute(step.stmt, step.params if isinstance(step.params, dict) else list(step.params))
-        await self.session.commit()
+        return await self.sql.rows(self.session, stmt, params)
 
     async def longest_match(
         self, hashes: list[str], chat_id: str | None, session_key: str | None = None
@@ -395,7 +380,7 @@ class ConversationStore:
             a.session_key = session_key
         writes.append(Step(_INSERT_MESSAGES, [message_row(m, now) for m in (*stored, *assistants)]))
         writes.append(Step(_TOUCH_CHAT, {"chat_id": chat_id, "now": now, "tail": assistants[0].id}))
-        await self._write(writes)
+        await self.sql.transact(self.session, writes)  # the request's transaction, committed
         decision, stop, broke = lineage(conv, matched, match is not None, forked)
         holder = match.worker_id if match is not None else None
         return Continued(

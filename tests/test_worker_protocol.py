@@ -241,6 +241,55 @@ def test_a_batch_of_frames_from_one_engine_step_is_taken_in_order(
     assert asyncio.run(scenario()) == ["5,6", "7,8"]
 
 
+def test_consecutive_steps_of_a_message_queued_together_stream_as_one_batch_before_its_end(
+    embedded_stack: str, embedded_settings: ServerSettings
+) -> None:
+    """Frames that queue while the hub stores earlier ones are stored together: a message's consecutive
+    steps (here three in one array, as a backed-up socket delivers them) join into one batch and reach
+    readers at once, before the message ends; none is taken for a gap and left to the finished record."""
+    url, key = embedded_stack, worker_key(embedded_settings)
+    headers = login(url, "joined-user")
+
+    async def scenario() -> list[dict[str, Any]]:
+        hdrs = {"Authorization": f"Bearer {key}"}
+        async with websockets.connect(websocket_url(url), additional_headers=hdrs) as ws:
+            await ws.send(hello().replace('"model_name": "x"', '"model_name": "raw-joined"'))
+            assert json.loads(await ws.recv())["type"] == "welcome"
+            await ws.send(json.dumps({"type": "credit", "credits": 1}))
+            async with httpx.AsyncClient(base_url=url, headers=headers) as http:
+                chat = (await http.post("/chats", json={})).json()["id"]
+                prompt = await http.post(f"/chats/{chat}/prompter_message", json={"parent_id": None, "content": "q"})
+                body = {"parent_id": prompt.json()["id"], "model_config_name": "raw-joined"}
+                mid = (await http.post(f"/chats/{chat}/assistant_message", json=body)).json()["id"]
+            frame = json.loads(await asyncio.wait_for(ws.recv(), timeout=10))
+            while frame["type"] != "work":
+                frame = json.loads(await asyncio.wait_for(ws.recv(), timeout=10))
+            attempt = frame["attempt"]
+
+            def tokens(start: int, token_ids: list[int], texts: list[str]) -> dict[str, Any]:
+                return {"type": "tokens", "message_id": mid, "attempt": attempt, "start": start,
+                        "token_ids": token_ids, "logprobs": [-0.5] * len(token_ids), "texts": texts}  # fmt: skip
+
+            seen: list[dict[str, Any]] = []
+            reader = asyncio.create_task(
+                asyncio.to_thread(events, url, f"/chats/{chat}/messages/{mid}/events", headers, None, seen)
+            )
+            await ws.send(json.dumps([tokens(0, [5, 6], ["a", "b"]), tokens(2, [7], ["c"]), tokens(3, [8], ["d"])]))
+            for _ in range(100):  # the tokens stream before the message ends
+                if sum(e["event_type"] == "token" for e in seen) == 4:
+                    break
+                await asyncio.sleep(0.05)
+            streamed_before_end = [e["token_id"] for e in seen if e["event_type"] == "token"]
+            assert streamed_before_end == [5, 6, 7, 8], seen
+            finished = {"type": "finished", "message_id": mid, "attempt": attempt}
+            await ws.send(json.dumps({**finished, "record": _record([5, 6, 7, 8], ["a", "b", "c", "d"])}))
+            return await asyncio.wait_for(reader, timeout=30)
+
+    evs = asyncio.run(scenario())
+    assert evs[-1]["event_type"] == "message" and evs[-1]["message"]["content"] == "abcd", evs[-1]
+    assert [e["token_id"] for e in evs if e["event_type"] == "token"] == [5, 6, 7, 8]
+
+
 def test_work_that_ended_just_before_a_lost_connection_is_named_to_the_next_server(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

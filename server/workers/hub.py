@@ -32,7 +32,7 @@ from server.hot_sql import HotSql
 from server.metrics import Metrics, StreamTimer, seconds_since
 from server.models import WorkerKey
 from server.outages import is_unavailable, until_available
-from server.queue.protocol import WorkerDirectory, WorkQueue
+from server.queue.protocol import WorkerDirectory, WorkItem, WorkQueue
 from server.settings import ServerSettings
 from server.streams.protocol import StreamConflict, StreamDone, TokenBatch, TokenStreams
 from server.workers.connection import (
@@ -49,7 +49,8 @@ from server.workers.connection import (
     worker_key,
 )
 from server.workers.engine_health import EngineHealth
-from server.workers.ingest import record_problem, record_without_nul, token_batch
+from server.workers.frame_queue import FrameQueue
+from server.workers.ingest import joined_batch, record_problem, record_without_nul, token_batch
 from server.workers.links import LocalLink, SocketLink, WorkerLink
 from server.workers.recovery import Recovery
 from server.workers.routing import Router
@@ -83,6 +84,7 @@ log = logging.getLogger(__name__)
 
 CLOSE_TRY_AGAIN = 1013  # RFC 6455 "try again later": the database is away, the worker reconnects
 KEY_WAIT_S = 20.0  # how long a connecting worker's key check waits for the database
+_ENDS_AT_ONCE = 8  # replies' ends stored concurrently by one connection's flusher
 
 
 class WorkerHub:
@@ -210,13 +212,17 @@ class WorkerHub:
                     features=[FEATURE_BATCH, FEATURE_DRAIN, FEATURE_ENGINE],
                 )
             )
+            frames = FrameQueue()
             async with asyncio.TaskGroup() as tg:
-                recv = tg.create_task(self._receive(conn))
+                recv = tg.create_task(self._receive(conn, frames))
+                flush = tg.create_task(self._flush(conn, frames))
                 disp = tg.create_task(self._dispatch_loop(conn))
                 beat = tg.create_task(self._heartbeat(conn))
                 await recv  # returns when the worker goes away
                 disp.cancel()
                 beat.cancel()
+                frames.close()
+                await flush  # what the worker sent before it went away is stored before recovery runs
         except* (WebSocketDisconnect, WorkerGone, LinkClosed, RuntimeError) as eg:
             log.info("worker %s disconnected: %s", conn.id, eg.exceptions[0])
         except* Exception as eg:  # a bug, not a transient fault (those are retried in the loops)
@@ -281,7 +287,9 @@ class WorkerHub:
             local[conn.hello.model_name] = (count + 1, free + max(conn.credits, 0))
         return local
 
-    async def _receive(self, conn: WorkerConnection) -> None:
+    async def _receive(self, conn: WorkerConnection, frames: FrameQueue) -> None:
+        """Read frames and queue them for ``_flush`` (``frame_queue.py`` says why); credits, drains and
+        rpc answers, which need no storage, take effect at once."""
         while True:
             try:
                 got = await asyncio.wait_for(conn.link.receive(), timeout=self.settings.worker_timeout_s)
@@ -296,21 +304,47 @@ class WorkerHub:
                 log.warning("worker %s sent a bad frame: %s", conn.id, exc)
                 continue
             conn.last_seen = time.monotonic()
-            if isinstance(got, list):  # the frames of one engine step (FEATURE_BATCH), tokens appended at once
-                await self._on_batch(conn, got)
-            else:
-                await self._on_frame(conn, got)
+            got = got if isinstance(got, list) else [got]  # a list: the frames of one engine step (FEATURE_BATCH)
+            stored: list[WorkerFrame] = []
+            for frame in got:
+                if isinstance(frame, CreditFrame | DrainFrame | RpcResultFrame):
+                    await self._on_frame(conn, frame)
+                else:
+                    stored.append(frame)
+            if stored:
+                await frames.put(stored)
 
-    async def _on_batch(self, conn: WorkerConnection, frames: list[WorkerFrame]) -> None:
-        tokens = [f for f in frames if isinstance(f, TokensFrame)]
+    async def _flush(self, conn: WorkerConnection, frames: FrameQueue) -> None:
+        """Store what the receive loop queued, everything at hand at once: the token frames in one
+        append, then the ends they precede; another frame (an engine's state) after all before it."""
+        while (taken := await frames.take()) is not None:
+            tokens: list[TokensFrame] = []
+            ends: list[FinishedFrame | FailedFrame] = []
+            for frame in taken:
+                if isinstance(frame, TokensFrame):
+                    if any(end.message_id == frame.message_id for end in ends):  # a new attempt's tokens
+                        await self._store(conn, tokens, ends)
+                        tokens, ends = [], []
+                    tokens.append(frame)
+                elif isinstance(frame, FinishedFrame | FailedFrame):
+                    ends.append(frame)
+                else:
+                    await self._store(conn, tokens, ends)
+                    tokens, ends = [], []
+                    await self._on_frame(conn, frame)
+            await self._store(conn, tokens, ends)
+
+    async def _store(
+        self, conn: WorkerConnection, tokens: list[TokensFrame], ends: list[FinishedFrame | FailedFrame]
+    ) -> None:
         if tokens:
             try:
                 await self._on_tokens_many(conn, tokens)
             except Exception as exc:  # appended later from the finished records (positions did not advance)
                 log.warning("worker %s: appending %d token frames failed: %s", conn.id, len(tokens), exc)
-        for frame in frames:
-            if not isinstance(frame, TokensFrame):
-                await self._on_frame(conn, frame)
+        # replies that ended together are stored side by side, a few at a time (each takes a connection)
+        for i in range(0, len(ends), _ENDS_AT_ONCE):
+            await asyncio.gather(*(self._handle(conn, end) for end in ends[i : i + _ENDS_AT_ONCE]))
 
     async def _on_frame(self, conn: WorkerConnection, frame: WorkerFrame) -> None:
         if isinstance(frame, CreditFrame):
@@ -453,25 +487,33 @@ class WorkerHub:
                 # Registered before any await, so that recovery sees it if the worker drops now.
                 conn.inflight[item.message_id] = InFlight(item, next_index=0)
                 conn.credits -= 1
-            for item in items:
-                inflight = conn.inflight.get(item.message_id)
-                if inflight is None or inflight.item is not item:
-                    continue
-                try:
-                    # the database away: wait for it, holding the item (heartbeats keep it claimed)
-                    sent = await until_available(
-                        functools.partial(self._dispatch, conn, inflight),
-                        f"worker {conn.id}: dispatching {item.message_id}",
-                    )
-                except WorkerGone:
-                    raise  # the worker is gone: recovery requeues what it held
-                except Exception as exc:
-                    log.warning("worker %s: dispatching %s failed: %s", conn.id, item.message_id, exc)
-                    sent = False
-                    await self.recovery.requeue_when_back(item)
-                if not sent:
-                    conn.inflight.pop(item.message_id, None)
-                    conn.credits += 1
+            # started side by side: each waits on its own database round trips, not the others'
+            if len(items) == 1:
+                await self._dispatch_item(conn, items[0])
+            elif items:
+                async with asyncio.TaskGroup() as tg:
+                    for item in items:
+                        tg.create_task(self._dispatch_item(conn, item))
+
+    async def _dispatch_item(self, conn: WorkerConnection, item: WorkItem) -> None:
+        inflight = conn.inflight.get(item.message_id)
+        if inflight is None or inflight.item is not item:
+            return
+        try:
+            # the database away: wait for it, holding the item (heartbeats keep it claimed)
+            sent = await until_available(
+                functools.partial(self._dispatch, conn, inflight),
+                f"worker {conn.id}: dispatching {item.message_id}",
+            )
+        except WorkerGone:
+            raise  # the worker is gone: recovery requeues what it held
+        except Exception as exc:
+            log.warning("worker %s: dispatching %s failed: %s", conn.id, item.message_id, exc)
+            sent = False
+            await self.recovery.requeue_when_back(item)
+        if not sent:
+            conn.inflight.pop(item.message_id, None)
+            conn.credits += 1
 
     async def _dispatch(self, conn: WorkerConnection, inflight: InFlight) -> bool:
         """Send the work frame; False if the item needed no work (it has been acked)."""
@@ -529,17 +571,28 @@ class WorkerHub:
         return inflight
 
     async def _on_tokens_many(self, conn: WorkerConnection, frames: list[TokensFrame]) -> None:
-        """Append the frames' tokens in one round trip (one engine step of the worker)."""
+        """Append the frames' tokens in one round trip; a message's consecutive frames (engine steps
+        queued while the previous append ran) become one batch."""
         items: list[tuple[TokensFrame, InFlight, TokenBatch]] = []
+        last: dict[str, int] = {}  # message id -> index in items of its latest batch
         for f in frames:
             inflight = self._current(conn, f.message_id, f.attempt)
-            batch = token_batch(f, len(inflight.streamed), conn.hello.vocab_size) if inflight is not None else None
-            if inflight is None or batch is None:
+            if inflight is None:
+                continue
+            prev = items[last[f.message_id]] if f.message_id in last else None
+            at = prev[2].end if prev is not None and prev[1] is inflight else len(inflight.streamed)
+            batch = token_batch(f, at, conn.hello.vocab_size)
+            if batch is None:
                 continue
             if isinstance(batch, str):
                 await self.recovery.reject_attempt(conn, inflight, batch)
             elif conn.inflight.get(f.message_id) is inflight:
-                items.append((f, inflight, batch))
+                joined = joined_batch(prev[2], batch) if prev is not None and prev[1] is inflight else None
+                if prev is not None and joined is not None:
+                    items[last[f.message_id]] = (prev[0], inflight, joined)
+                else:
+                    last[f.message_id] = len(items)
+                    items.append((f, inflight, batch))
         if not items:
             return
         results = await self.streams.append_many([(f.message_id, batch) for f, _, batch in items])

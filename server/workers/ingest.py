@@ -97,3 +97,26 @@ def record_without_nul(record: GenerationRecord) -> GenerationRecord:
         if cleaned != record.tool_calls:
             update["tool_calls"] = cleaned
     return record.model_copy(update=update) if update else record
+
+
+def joined_batch(first: TokenBatch, then: TokenBatch) -> TokenBatch | None:
+    """``first`` followed by ``then`` as one batch, or None when they do not join (a gap or overlap,
+    or one carries channels or top logprobs and the other not)."""
+    if then.start != first.end or bool(first.channels) != bool(then.channels):
+        return None
+    if (first.top_logprobs is None) != (then.top_logprobs is None):
+        return None
+    top = (
+        first.top_logprobs + then.top_logprobs
+        if first.top_logprobs is not None and then.top_logprobs is not None
+        else None
+    )
+    return TokenBatch(
+        first.start,
+        first.token_ids + then.token_ids,
+        first.logprobs + then.logprobs,
+        first.texts + then.texts,
+        first.channels + then.channels,
+        top,
+        first.prompt_ids,
+    )

@@ -99,7 +99,7 @@ def create_app(settings: ServerSettings, local_worker: LocalWorker | None = None
         url = settings.effective_database_url
         if settings.should_migrate_on_start:
             await asyncio.to_thread(migrate.upgrade, url)
-        engine = create_engine(url)
+        engine = create_engine(url, pool_size=settings.db_pool_size, max_overflow=settings.db_max_overflow)
         sessions = create_session_factory(engine)
         sql = HotSql.for_engine(engine)
         redis = None

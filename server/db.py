@@ -24,10 +24,12 @@ def ensure_sqlite_dir(url: str) -> None:
         Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
 
 
-def create_engine(url: str, *, inline: bool = True) -> AsyncEngine:
+def create_engine(url: str, *, inline: bool = True, pool_size: int = 32, max_overflow: int = 8) -> AsyncEngine:
     """The engine of ``url``. SQLite runs its statements in the calling thread (``server/sqlite_inline.py``)
     unless ``inline`` is off: long reads (an export through the API) take aiosqlite's worker thread so
-    that the event loop keeps serving meanwhile."""
+    that the event loop keeps serving meanwhile. PostgreSQL keeps ``pool_size`` connections open: a
+    burst past it opens (and afterwards closes) up to ``max_overflow`` more, each a new backend, which
+    under load cost more than the statements they ran."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         ensure_sqlite_dir(url)
@@ -46,7 +48,7 @@ def create_engine(url: str, *, inline: bool = True) -> AsyncEngine:
             cur.close()
 
         return engine
-    return create_async_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+    return create_async_engine(url, pool_size=pool_size, max_overflow=max_overflow, pool_pre_ping=True)
 
 
 def is_sqlite(url: str) -> bool:

@@ -24,6 +24,10 @@ class ServerSettings(BaseSettings):
     data_dir: Path = Field(default_factory=default_data_dir)
     # None: a SQLite file in data_dir (the embedded default).
     database_url: str | None = None
+    # PostgreSQL connections a server process keeps open, and how many more it opens under a burst
+    # (closed again after use). Size max_connections above replicas x (pool + overflow).
+    db_pool_size: int = Field(default=32, ge=1)
+    db_max_overflow: int = Field(default=8, ge=0)
     # None: in-process queue and token fan-out (one server process).
     redis_url: str | None = None
     # None: on in embedded mode (no Redis), off otherwise.

@@ -84,7 +84,8 @@ log = logging.getLogger(__name__)
 
 CLOSE_TRY_AGAIN = 1013  # RFC 6455 "try again later": the database is away, the worker reconnects
 KEY_WAIT_S = 20.0  # how long a connecting worker's key check waits for the database
-_ENDS_AT_ONCE = 8  # replies' ends stored concurrently by one connection's flusher
+_AT_ONCE = 8  # work items dispatched, or replies' ends stored, side by side by one connection (a
+# database connection each: bounded well inside the pool)
 
 
 class WorkerHub:
@@ -343,8 +344,8 @@ class WorkerHub:
             except Exception as exc:  # appended later from the finished records (positions did not advance)
                 log.warning("worker %s: appending %d token frames failed: %s", conn.id, len(tokens), exc)
         # replies that ended together are stored side by side, a few at a time (each takes a connection)
-        for i in range(0, len(ends), _ENDS_AT_ONCE):
-            await asyncio.gather(*(self._handle(conn, end) for end in ends[i : i + _ENDS_AT_ONCE]))
+        for i in range(0, len(ends), _AT_ONCE):
+            await asyncio.gather(*(self._handle(conn, end) for end in ends[i : i + _AT_ONCE]))
 
     async def _on_frame(self, conn: WorkerConnection, frame: WorkerFrame) -> None:
         if isinstance(frame, CreditFrame):
@@ -487,12 +488,13 @@ class WorkerHub:
                 # Registered before any await, so that recovery sees it if the worker drops now.
                 conn.inflight[item.message_id] = InFlight(item, next_index=0)
                 conn.credits -= 1
-            # started side by side: each waits on its own database round trips, not the others'
-            if len(items) == 1:
-                await self._dispatch_item(conn, items[0])
-            elif items:
+            # a few at a time side by side: each waits on its own database round trips, not the others'
+            for i in range(0, len(items), _AT_ONCE):
+                if len(items) - i == 1:
+                    await self._dispatch_item(conn, items[i])
+                    continue
                 async with asyncio.TaskGroup() as tg:
-                    for item in items:
+                    for item in items[i : i + _AT_ONCE]:
                         tg.create_task(self._dispatch_item(conn, item))
 
     async def _dispatch_item(self, conn: WorkerConnection, item: WorkItem) -> None:

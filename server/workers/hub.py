@@ -1,10 +1,11 @@
 """The worker websocket's hub (DESIGN D3, D5, D10).
 
-One session per connected worker runs three loops: receive frames, dispatch queued work while the
-worker has credits, and send heartbeats (which also keep the worker's directory entry and claimed
-queue items alive). When a worker goes away, ``Recovery`` fences each message it held with a new
-attempt and requeues it; tokens it already streamed stay in the message's token stream and the next
-worker resumes after them, so readers see one continuous stream.
+One session per connected worker runs four loops: receive frames, store them (``frame_queue.py``: the
+receive loop never waits on Redis or SQL), dispatch queued work while the worker has credits, and send
+heartbeats (which also keep the worker's directory entry and claimed queue items alive). When a
+worker goes away, what it sent is stored first; then ``Recovery`` fences each message it held with a
+new attempt and requeues it; tokens it already streamed stay in the message's token stream and the
+next worker resumes after them, so readers see one continuous stream.
 
 The database or Redis going away is not the worker going away (DESIGN D18): only a failed send on
 the socket (``WorkerGone``) or a receive that ends does that. Work whose dispatch needs the database

@@ -13,7 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from server.streams.protocol import StreamConflict, StreamDone, StreamEntry, TokenBatch
+from server.streams.protocol import StreamConflict, StreamDone, StreamEntry, TokenBatch, concatenated
 
 
 @dataclass
@@ -39,23 +39,11 @@ class _Stream:
         second that is millions of objects for the garbage collector to walk, whose full collections
         took 0.2-0.27 s each, pausing every stream (issue 22). Readers take the part after their
         position (a batch may straddle it), so one batch reads the same."""
-        batches = self.batches
-        if len(batches) < 2:
+        if len(self.batches) < 2:
             return
-        with_channels = [bool(b.channels) for b in batches]
-        with_top = [b.top_logprobs is not None for b in batches]
-        if len(set(with_channels)) > 1 or len(set(with_top)) > 1:
-            return  # per-token fields not given for every batch: they cannot be concatenated
-        first = batches[0]
-        merged = TokenBatch(
-            first.start,
-            [t for b in batches for t in b.token_ids],
-            [lp for b in batches for lp in b.logprobs],
-            [t for b in batches for t in b.texts],
-            "".join(b.channels for b in batches),
-            [t for b in batches for t in b.top_logprobs or ()] if with_top[0] else None,
-            first.prompt_ids,
-        )
+        merged = concatenated(self.batches)
+        if merged is None:
+            return  # per-token fields not given for every batch
         self.batches = [merged]
         self.ends = [merged.end]
 

@@ -8,6 +8,7 @@ stop after it. Streams of finished messages expire; finished messages are then s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -29,6 +30,23 @@ class TokenBatch:
     @property
     def end(self) -> int:
         return self.start + len(self.token_ids)
+
+
+def concatenated(batches: Sequence[TokenBatch]) -> TokenBatch | None:
+    """Consecutive batches as one (the first one's start and prompt), or None when some carry channels
+    or top logprobs and others do not: such per-token fields cannot be concatenated."""
+    if len({bool(b.channels) for b in batches}) > 1 or len({b.top_logprobs is None for b in batches}) > 1:
+        return None
+    first = batches[0]
+    return TokenBatch(
+        first.start,
+        [t for b in batches for t in b.token_ids],
+        [lp for b in batches for lp in b.logprobs],
+        [t for b in batches for t in b.texts],
+        "".join(b.channels for b in batches),
+        [t for b in batches for t in b.top_logprobs or ()] if first.top_logprobs is not None else None,
+        first.prompt_ids,
+    )
 
 
 @dataclass(frozen=True)

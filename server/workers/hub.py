@@ -21,6 +21,8 @@ import functools
 import logging
 import secrets
 import time
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
 from fastapi import WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
@@ -83,10 +85,25 @@ from shared.protocol import (
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 CLOSE_TRY_AGAIN = 1013  # RFC 6455 "try again later": the database is away, the worker reconnects
 KEY_WAIT_S = 20.0  # how long a connecting worker's key check waits for the database
 _AT_ONCE = 8  # work items dispatched, or replies' ends stored, side by side by one connection (a
 # database connection each: bounded well inside the pool)
+
+
+async def _side_by_side(step: Callable[[T], Coroutine[Any, Any, None]], items: Sequence[T]) -> None:
+    """``step`` on each item, ``_AT_ONCE`` at a time, each waiting only on its own round trips; a
+    failure (the worker gone) cancels the rest."""
+    for i in range(0, len(items), _AT_ONCE):
+        chunk = items[i : i + _AT_ONCE]
+        if len(chunk) == 1:
+            await step(chunk[0])
+            continue
+        async with asyncio.TaskGroup() as tg:
+            for item in chunk:
+                tg.create_task(step(item))
 
 
 class WorkerHub:
@@ -344,9 +361,7 @@ class WorkerHub:
                 await self._on_tokens_many(conn, tokens)
             except Exception as exc:  # appended later from the finished records (positions did not advance)
                 log.warning("worker %s: appending %d token frames failed: %s", conn.id, len(tokens), exc)
-        # replies that ended together are stored side by side, a few at a time (each takes a connection)
-        for i in range(0, len(ends), _AT_ONCE):
-            await asyncio.gather(*(self._handle(conn, end) for end in ends[i : i + _AT_ONCE]))
+        await _side_by_side(functools.partial(self._on_end, conn), ends)  # replies that ended together
 
     async def _on_frame(self, conn: WorkerConnection, frame: WorkerFrame) -> None:
         if isinstance(frame, CreditFrame):
@@ -359,8 +374,6 @@ class WorkerHub:
             conn.credits = 0
         elif isinstance(frame, EngineFrame):
             await self.engines.on_frame(conn, frame)
-        elif isinstance(frame, TokensFrame | FinishedFrame | FailedFrame):
-            await self._handle(conn, frame)
         elif isinstance(frame, RpcResultFrame):
             call = conn.calls.get(frame.id)
             if call is not None and not call.done():
@@ -369,25 +382,21 @@ class WorkerHub:
                 else:
                     call.set_exception(RpcFailed(frame.code or "engine_error", frame.message or "rpc failed"))
 
-    async def _handle(self, conn: WorkerConnection, frame: TokensFrame | FinishedFrame | FailedFrame) -> None:
-        """One message frame. A transient failure (Redis or the database briefly away) costs that
-        frame, never the session: tokens not appended are appended from the finished record (the
-        stream position does not advance); a message's end that needs the database waits for it in the
-        background (``_settle``); after any other failure the message is requeued."""
+    async def _on_end(self, conn: WorkerConnection, frame: FinishedFrame | FailedFrame) -> None:
+        """A message's end. A transient failure (Redis or the database briefly away) never costs the
+        session: the end waits for the database in the background (``_settle``); after any other
+        failure the message is requeued. (Tokens not appended are appended from the finished record.)"""
         try:
-            if isinstance(frame, TokensFrame):
-                await self._on_tokens_many(conn, [frame])
-            elif isinstance(frame, FinishedFrame):
+            if isinstance(frame, FinishedFrame):
                 await self._on_finished(conn, frame)
             else:
                 await self._on_failed(conn, frame)
         except Exception as exc:
-            if isinstance(frame, FinishedFrame | FailedFrame) and is_unavailable(exc):
+            if is_unavailable(exc):
                 self._settle(conn, frame)
                 return
             log.warning("worker %s: handling %s of %s failed: %s", conn.id, frame.type, frame.message_id, exc)
-            if isinstance(frame, FinishedFrame | FailedFrame):
-                await self._requeue_lost_end(conn, frame.message_id)
+            await self._requeue_lost_end(conn, frame.message_id)
 
     async def _requeue_lost_end(self, conn: WorkerConnection, message_id: str) -> None:
         inflight = conn.inflight.pop(message_id, None)
@@ -489,14 +498,7 @@ class WorkerHub:
                 # Registered before any await, so that recovery sees it if the worker drops now.
                 conn.inflight[item.message_id] = InFlight(item, next_index=0)
                 conn.credits -= 1
-            # a few at a time side by side: each waits on its own database round trips, not the others'
-            for i in range(0, len(items), _AT_ONCE):
-                if len(items) - i == 1:
-                    await self._dispatch_item(conn, items[i])
-                    continue
-                async with asyncio.TaskGroup() as tg:
-                    for item in items[i : i + _AT_ONCE]:
-                        tg.create_task(self._dispatch_item(conn, item))
+            await _side_by_side(functools.partial(self._dispatch_item, conn), items)
 
     async def _dispatch_item(self, conn: WorkerConnection, item: WorkItem) -> None:
         inflight = conn.inflight.get(item.message_id)
@@ -582,17 +584,17 @@ class WorkerHub:
             inflight = self._current(conn, f.message_id, f.attempt)
             if inflight is None:
                 continue
-            prev = items[last[f.message_id]] if f.message_id in last else None
-            at = prev[2].end if prev is not None and prev[1] is inflight else len(inflight.streamed)
-            batch = token_batch(f, at, conn.hello.vocab_size)
+            k = last.get(f.message_id)
+            prev = items[k][2] if k is not None and items[k][1] is inflight else None  # this attempt's
+            batch = token_batch(f, prev.end if prev is not None else len(inflight.streamed), conn.hello.vocab_size)
             if batch is None:
                 continue
             if isinstance(batch, str):
                 await self.recovery.reject_attempt(conn, inflight, batch)
             elif conn.inflight.get(f.message_id) is inflight:
-                joined = joined_batch(prev[2], batch) if prev is not None and prev[1] is inflight else None
-                if prev is not None and joined is not None:
-                    items[last[f.message_id]] = (prev[0], inflight, joined)
+                joined = joined_batch(prev, batch) if prev is not None else None
+                if k is not None and joined is not None:
+                    items[k] = (items[k][0], inflight, joined)
                 else:
                     last[f.message_id] = len(items)
                     items.append((f, inflight, batch))

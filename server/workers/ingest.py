@@ -8,7 +8,7 @@ import logging
 import math
 from typing import Any
 
-from server.streams.protocol import TokenBatch
+from server.streams.protocol import TokenBatch, concatenated
 from shared.protocol import GenerationRecord, TokensFrame
 
 log = logging.getLogger(__name__)
@@ -102,21 +102,4 @@ def record_without_nul(record: GenerationRecord) -> GenerationRecord:
 def joined_batch(first: TokenBatch, then: TokenBatch) -> TokenBatch | None:
     """``first`` followed by ``then`` as one batch, or None when they do not join (a gap or overlap,
     or one carries channels or top logprobs and the other not)."""
-    if then.start != first.end or bool(first.channels) != bool(then.channels):
-        return None
-    if (first.top_logprobs is None) != (then.top_logprobs is None):
-        return None
-    top = (
-        first.top_logprobs + then.top_logprobs
-        if first.top_logprobs is not None and then.top_logprobs is not None
-        else None
-    )
-    return TokenBatch(
-        first.start,
-        first.token_ids + then.token_ids,
-        first.logprobs + then.logprobs,
-        first.texts + then.texts,
-        first.channels + then.channels,
-        top,
-        first.prompt_ids,
-    )
+    return concatenated((first, then)) if then.start == first.end else None

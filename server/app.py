@@ -192,11 +192,14 @@ def create_app(settings: ServerSettings, local_worker: LocalWorker | None = None
             expose_headers=["Retry-After"],
             max_age=600,
         )
-    app.include_router(health_router)
-    for router in (auth_router, configs_router, chats_router, admin_router):
-        app.include_router(router, responses=API_ERROR_RESPONSES)
-    for router in (openai_router, completions_router, responses_router, messages_router, tokenizer_router):
+    # Routes are matched in order, and FastAPI's included routers cost 15-30 us each to pass over: the
+    # hot routes come first (the OpenAI-style APIs, then OA's chats), the rarely called ones last.
+    for router in (openai_router, completions_router, responses_router, messages_router):
         app.include_router(router, responses=OPENAI_ERROR_RESPONSES)
+    for router in (chats_router, auth_router, configs_router, admin_router):
+        app.include_router(router, responses=API_ERROR_RESPONSES)
+    app.include_router(tokenizer_router, responses=OPENAI_ERROR_RESPONSES)
+    app.include_router(health_router)
 
     web = Path(__file__).parent / "web"
     app.mount("/web", StaticFiles(directory=web), name="web")

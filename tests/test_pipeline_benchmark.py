@@ -56,6 +56,7 @@ def test_openai_agent_loops_report_turns_usage_and_checks(tiny_model_dir: Path) 
     for p in points.values():
         assert (p["workload"], p["stop"], p["turns_per_conversation"]) == ("agent", "natural", 2)
         assert p["errors"] == 0 and p["requests"] > 0 and p["tokens_per_s"] > 0
+        assert p["tokens_per_event"] >= 1.0  # each event that carried tokens carried at least one
         assert len(p["ttft_p50_ms_by_turn"]) == 2 and p["ttft_p50_ms_by_turn"][0] is not None
         first, second = p["prompt_tokens_mean_by_turn"]
         assert second is None or second > first  # the history is echoed back

@@ -29,6 +29,7 @@ class Point:
     turns: int = 1  # turns per conversation
     wall_s: float = 0.0
     tokens: int = 0
+    events: int = 0  # stream events (SSE chunks) that carried tokens
     requests: int = 0  # turns completed inside the window
     errors: int = 0
     error_samples: list[str] = field(default_factory=list)
@@ -119,6 +120,7 @@ class Arrivals:
         self.point.gaps_s += [0.0] * (n - 1)  # tokens that arrived together
         self.last = now
         self.point.tokens += n
+        self.point.events += 1
 
 
 # ---- CPU ------------------------------------------------------------------------------------------
@@ -288,6 +290,7 @@ def summary(p: Point) -> dict[str, Any]:
         "ttft_p99_ms": ms(pct(p.ttft_s, 0.99)),
         "itl_p50_ms": ms(pct(p.gaps_s, 0.5)),
         "itl_p99_ms": ms(pct(p.gaps_s, 0.99)),
+        "tokens_per_event": round(p.tokens / p.events, 2) if p.events else None,
         "ttft_p50_ms_by_turn": [ms(pct(p.ttft_by_turn_s[k], 0.5)) for k in range(turns)],
         "counts": p.counts,
         "prompt_tokens": sum(p.prompt_tokens_by_turn),

@@ -35,7 +35,7 @@ from server.openai.render import (
     tokentrail_info,
     usage,
 )
-from server.openai.streaming import SSE_DONE, Merge, error_chunk, event_stream, sse
+from server.openai.streaming import SSE_DONE, error_chunk, event_stream, merged, sse
 from server.openai.turns import start_turn
 from server.state import AppState
 from server.streams.protocol import StreamReset, TokenBatch
@@ -148,7 +148,7 @@ async def _chat(
     }
     ctx = _ChatContext(body, f"chatcmpl-{ids[0]}", created, cont.forked, request_info)
     if body.stream:
-        chunks = Merge([ctx.choice_chunks(state, i, mid) for i, mid in enumerate(ids)])
+        chunks = merged([ctx.choice_chunks(state, i, mid) for i, mid in enumerate(ids)])
         return event_stream(ctx.stream(chunks), state.metrics)
     results = await asyncio.gather(*(collect(state, mid) for mid in ids))
     return Response(dumps(ctx.body(results)), media_type="application/json")
@@ -215,7 +215,7 @@ class _ChatContext:
             "tokentrail": self._info(first),
         }
 
-    async def stream(self, chunks: Merge) -> AsyncIterator[bytes]:
+    async def stream(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         async for chunk in chunks:
             yield chunk
         options = self.req.stream_options

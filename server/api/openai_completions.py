@@ -39,7 +39,7 @@ from server.openai.render import (
     tokentrail_info,
     usage,
 )
-from server.openai.streaming import SSE_DONE, Merge, error_chunk, event_stream, sse
+from server.openai.streaming import SSE_DONE, error_chunk, event_stream, merged, sse
 from server.state import AppState
 from server.streams.protocol import StreamReset, TokenBatch
 from shared.api import MessageState
@@ -135,7 +135,7 @@ async def completions(body: CompletionRequest, user: CurrentUser, session: Sessi
     await session.close()  # generation may take minutes; the followers open their own sessions
     ctx = _CompletionContext(body, f"cmpl-{jobs[0].message_id}", int(time.time()), top)
     if body.stream:
-        chunks = Merge([ctx.chunks(state, job) for job in jobs])
+        chunks = merged([ctx.chunks(state, job) for job in jobs])
         return event_stream(ctx.stream(chunks), state.metrics)
     results = await asyncio.gather(*(collect(state, job.message_id) for job in jobs))
     return Response(dumps(ctx.body(jobs, results)), media_type="application/json")
@@ -194,7 +194,7 @@ class _CompletionContext:
             "usage": usage(prompt_total, completion_total, cached_total),
         }
 
-    async def stream(self, chunks: Merge) -> AsyncIterator[bytes]:
+    async def stream(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         async for chunk in chunks:
             yield chunk
         options = self.req.stream_options
@@ -414,7 +414,7 @@ async def _generate_stream(state: AppState, shape: _GenerateShape, ids: list[str
                     end["text"] = reply.finish(msg.content, None).content
                 yield chunk([end], tokentrail=tokentrail_info(msg, tokens, forked=False))
 
-    async for piece in Merge([one(i, mid) for i, mid in enumerate(ids)]):
+    async for piece in merged([one(i, mid) for i, mid in enumerate(ids)]):
         yield piece
     if body.stream_options is not None and body.stream_options.include_usage:
         yield chunk([], usage=usage(len(body.token_ids), totals[0], totals[1]))

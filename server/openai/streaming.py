@@ -36,45 +36,41 @@ def error_chunk(msg: Message) -> bytes:
     return sse({"error": {"message": exc.detail, "type": "server_error", "param": None, "code": exc.code.value}})
 
 
-class Merge:
-    """Interleaves the chunk streams of n choices as they come."""
+def merged(sources: list[AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
+    """The chunk streams of n choices, interleaved as they come; one choice's stream as it is (no
+    generator around it: a layer per chunk costs, and most requests have one choice)."""
+    return sources[0] if len(sources) == 1 else _interleaved(sources)
 
-    def __init__(self, sources: list[AsyncIterator[bytes]]) -> None:
-        self.sources = sources
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        if len(self.sources) == 1:
-            async for chunk in self.sources[0]:
-                yield chunk
-            return
-        queue: asyncio.Queue[bytes | Exception | None] = asyncio.Queue()
+async def _interleaved(sources: list[AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
+    queue: asyncio.Queue[bytes | Exception | None] = asyncio.Queue()
 
-        async def pump(source: AsyncIterator[bytes]) -> None:
-            try:
-                async for chunk in source:
-                    await queue.put(chunk)
-            except Exception as exc:  # the response ends with it (``event_stream``), as with one choice
-                await queue.put(exc)
-            finally:
-                await queue.put(None)
-
-        tasks = [asyncio.create_task(pump(s)) for s in self.sources]
+    async def pump(source: AsyncIterator[bytes]) -> None:
         try:
-            left = len(tasks)
-            while left:
-                item = await queue.get()
-                if item is None:
-                    left -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    yield item
+            async for chunk in source:
+                await queue.put(chunk)
+        except Exception as exc:  # the response ends with it (``event_stream``), as with one choice
+            await queue.put(exc)
         finally:
-            for t in tasks:
-                t.cancel()
-            for t in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await t
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(s)) for s in sources]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
 
 
 def event_stream(chunks: AsyncIterator[bytes], metrics: Metrics) -> StreamingResponse:

@@ -1,6 +1,8 @@
-"""The vLLM adapter's step builder over vLLM's two logprob shapes (no vLLM needed): ``FlatLogprobs``
+"""The vLLM adapter (no vLLM needed): its step builder over vLLM's two logprob shapes: ``FlatLogprobs``
 (``flat_logprobs=True``) and a ``{token id: Logprob}`` dict per position; each position's entries are
-the sampled token's, then the top-k by rank. The contract suite runs it against a real vLLM."""
+the sampled token's, then the top-k by rank; and its reading of vLLM's stream (to the end, so that vLLM
+aborts nothing that finished), against a fake at the engine boundary. The contract suite runs it against
+a real vLLM."""
 
 from __future__ import annotations
 
@@ -105,3 +107,49 @@ def test_a_merged_flat_position_keeps_the_sampled_token_once() -> None:
     comp = SimpleNamespace(token_ids=[9], logprobs=merged, finish_reason=None, stop_reason=None)
     step = _step(comp, 3)
     assert step.logprobs == [-1.0] and step.top_logprobs == [[(7, -0.5), (9, -1.0), (3, -2.0)]]
+
+
+class _FakeAsyncLLM:
+    """Engine-boundary fake of vLLM's ``AsyncLLM`` for the adapter's stream handling: ``generate`` yields
+    the given outputs and then ends, as vLLM's does after a finished output; it records whether the
+    adapter read it to its end or closed it early (vLLM aborts a request whose stream is closed)."""
+
+    errored = False
+
+    def __init__(self, outputs: list[Any]) -> None:
+        self.outputs = outputs
+        self.ran_to_end = False
+        self.closed_early = False
+        self.aborted: list[str] = []
+
+    async def generate(self, prompt: Any, sampling: Any, request_id: str) -> Any:
+        try:
+            for out in self.outputs:
+                yield out
+            self.ran_to_end = True
+        except GeneratorExit:
+            self.closed_early = True
+            raise
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def _output(comp: SimpleNamespace) -> SimpleNamespace:
+    return SimpleNamespace(outputs=[comp], prompt_token_ids=[1, 2], num_cached_tokens=0)
+
+
+async def test_a_finished_request_reads_vllms_stream_to_its_end_so_vllm_sends_no_abort() -> None:
+    import gc
+
+    from worker.engines.contract import GenerationParams
+    from worker.engines.vllm import VLLMEngine
+
+    engine = VLLMEngine("/nonexistent", max_model_len=64)
+    fake = _FakeAsyncLLM([_output(completion(flat(0))), _output(completion(flat(0), "stop", 11))])
+    engine._llm, engine._vocab = fake, 100
+    engine._sampling_params = lambda params, limit: None  # type: ignore[method-assign]
+    steps = [s async for s in engine.generate("r1", [1, 2], GenerationParams(max_new_tokens=8))]
+    gc.collect()
+    assert [s.finish_reason for s in steps] == [None, "stop"]
+    assert fake.ran_to_end and not fake.closed_early and fake.aborted == []

@@ -228,14 +228,18 @@ class VLLMEngine:
                 if request_id in self._aborted or completion.finish_reason == "abort":
                     step.finish_reason, step.stop_reason = "abort", None
                 if step.finish_reason is not None:
-                    finished = True
-                    yield step
-                    return
+                    if not finished:
+                        finished = True
+                        yield step
+                    # Go on to the end of vLLM's stream (it ends after its finished output): a stream left
+                    # open is closed when collected, and vLLM takes that for a client gone and sends its
+                    # engine core an abort, one more message per request for a request already over.
+                    continue
                 if step.token_ids or step.prompt_token_ids is not None:
                     yield step
-            # the stream ended without a finished output: vLLM ends aborted streams this way
-            finished = True
-            yield TokenStep(token_ids=[], logprobs=[], finish_reason="abort")
+            if not finished:  # the stream ended without a finished output: vLLM ends aborted streams this way
+                finished = True
+                yield TokenStep(token_ids=[], logprobs=[], finish_reason="abort")
         except EngineError:
             raise
         except self._dead_error as exc:

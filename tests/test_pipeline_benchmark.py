@@ -97,3 +97,44 @@ def test_profile_summary_charges_samples_to_the_innermost_known_library(tmp_path
     assert s.tokentrail_inclusive["server/api/openai_chat.py:chat"] == 9
     assert "server/cli.py:run" not in s.tokentrail_inclusive  # entry points hold everything: left out
     assert s.tokentrail_own == {"server/api/openai_chat.py:chat": 3}
+
+
+def test_rounds_alternate_the_arms_order_and_pool_each_points_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--rounds``: A B, B A, A B; the rounds' points pooled per point (sums, joined samples). The arms'
+    stacks are replaced by a recorder here; the end-to-end tests above run real ones."""
+    from benchmarks.pipeline import cli
+    from benchmarks.pipeline.measure import Point, summary
+
+    ran: list[str] = []
+
+    def fake_arm(args: Any, arm: str, apis: Any, loads: Any, model_dir: str, sub: Path, profiler: Any) -> list[Point]:
+        ran.append(arm)
+        k = len(ran)
+        p = Point(arm, "openai", "agent", "natural", 8, turns=2, wall_s=10.0, tokens=100 * k, events=50 * k)
+        p.requests, p.ttft_s, p.ttft_by_turn_s = k, [0.01 * k], [[0.01 * k], [0.02 * k]] if k % 2 else [[0.01 * k]]
+        turns = 1 + k % 2
+        p.prompt_tokens_by_turn, p.cached_tokens_by_turn, p.usage_by_turn = (
+            [10, 20][:turns],
+            [0, 5][:turns],
+            [1, 1][:turns],
+        )
+        p.cpu_s, p.counts = {"server": 0.5 * k}, {"forked:False": k}
+        return [p]
+
+    monkeypatch.setattr(cli, "_run_arm", fake_arm)
+    args = cli.parser().parse_args(
+        ["--arms", "embedded,vllm-serve", "--api", "openai", "--rounds", "3", "--model-dir", "/unused"]
+    )
+    points = cli.run(args)
+    assert ran == ["embedded", "vllm-serve", "vllm-serve", "embedded", "embedded", "vllm-serve"]
+    by_arm = {p.arm: p for p in points}
+    assert list(by_arm) == ["embedded", "vllm-serve"]
+    embedded = by_arm["embedded"]  # runs 1, 4 and 5
+    assert (embedded.wall_s, embedded.tokens, embedded.events, embedded.requests) == (30.0, 1000, 500, 10)
+    assert embedded.cpu_s == {"server": 5.0} and embedded.counts == {"forked:False": 10}
+    assert sorted(embedded.ttft_s) == pytest.approx([0.01, 0.04, 0.05])
+    turns = [sorted(xs) for xs in embedded.ttft_by_turn_s]
+    assert len(turns) == 2 and turns[0] == pytest.approx([0.01, 0.04, 0.05]) and turns[1] == pytest.approx([0.02, 0.1])
+    assert embedded.prompt_tokens_by_turn == [30, 40] and embedded.usage_by_turn == [3, 2]
+    s = summary(embedded)
+    assert s["tokens_per_s"] == round(1000 / 30, 1) and s["tokens_per_event"] == 2.0

@@ -4,7 +4,7 @@ conversations, sampling and closed-loop concurrency for every arm, one arm at a 
     python benchmarks/pipeline.py [--engine hf|vllm] [--arms engine,embedded,one-process,redis,vllm-serve]
         [--api oa,openai] [--workload single,agent] [--turns 8] [--stop fixed,natural] [--tokens 64]
         [--concurrency 1,8,32] [--duration 20] [--device cpu|cuda] [--dtype float32|bfloat16|float16]
-        [--seed-requests] [--run-seed N] [--json] [--json-out FILE.json] [--plot FILE.png]
+        [--seed-requests] [--run-seed N] [--rounds N] [--json] [--json-out FILE.json] [--plot FILE.png]
     python benchmarks/pipeline.py --ceiling [--concurrency 32] [--readers 4] [--duration 10]
     python benchmarks/pipeline.py --prompt-build
     python benchmarks/pipeline.py --idle-streams 5000
@@ -31,6 +31,10 @@ user API key); ``--workload`` ``single`` (one turn per conversation, the same pr
 ``HFEngine`` and tokentrail's worker, ``tokentrail worker --device --dtype``; vLLM picks its own device,
 ``--dtype`` goes to it too when given). On CUDA the CPU figures are still per process: the CPU each
 process spent driving the GPU (kernel launches, synchronisation) per delivered token.
+
+``--rounds N`` runs the arms N times, every other round in reverse order (A B C, C B A, ...), and pools
+each point's windows (tokens, turns, CPU and latency samples over all rounds): on a machine whose speed
+drifts during a run, every arm then sees the drift alike. It costs N times the run.
 
 Printed per arm, front door, workload, stop and concurrency: tokens/s delivered to clients, turns done,
 errors (a failed turn is counted and its client starts a new conversation), TTFT p50/p99 (the turn's
@@ -63,7 +67,7 @@ from pathlib import Path
 from benchmarks.models import prepare_model
 from benchmarks.pipeline.clients import drive_tokentrail, drive_vllm_serve
 from benchmarks.pipeline.conversation import Workload
-from benchmarks.pipeline.measure import CpuMeter, Point, Role, summary
+from benchmarks.pipeline.measure import CpuMeter, Point, Role, pooled, summary
 from benchmarks.pipeline.profile import Profiler
 from benchmarks.pipeline.report import checks, plot, print_report, ratios
 from benchmarks.pipeline.stack import engine_process, postgres_and_redis, tokentrail_stack, vllm_serve
@@ -109,62 +113,79 @@ def _child_args(args: argparse.Namespace, model_dir: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> list[Point]:
-    """The arms in the order given, strictly one after another (never two stacks alive at once)."""
-    levels = _levels(args)
+    """The arms in the order given, strictly one after another (never two stacks alive at once); with
+    ``--rounds N``, N times, every other round in reverse order, the rounds' windows pooled per point."""
     arms = _list(args.arms, ARMS, "--arms")
     apis = _list(args.api, APIS, "--api")
     loads = workloads(args)
     model_dir = args.model_dir or prepare_model("chatml")
     profiler = Profiler(args.profile) if args.profile else None
-    engine_args = [*_engine_options(args), *args.engine_args]  # the worker's: --device, --dtype, then the user's
     points: list[Point] = []
     with tempfile.TemporaryDirectory(prefix="tt-pipeline-") as tmp:
-        work = Path(tmp)
-        for arm in arms:
-            sub = work / arm
-            sub.mkdir()
-            if arm == "engine":
-                say(f"engine alone ({args.engine})...")
-                points += engine_process(args.engine, _child_args(args, model_dir), sub)
-            elif arm == "one-process":
-                say(f"tokentrail serve --model, one process, embedded ({args.engine})...")
-                with tokentrail_stack(
-                    sub, model_dir, max(levels), args.engine, one_process=True, engine_args=engine_args
-                ) as stack:
-                    # the server process holds the worker (and the hf engine); vLLM's engine core is its child
-                    roles = [Role("server", stack.pids["server"], "engine_core")]
-                    meter = CpuMeter(roles, client=True, profiler=profiler, metrics_url=f"{stack.url}/metrics")
-                    points += asyncio.run(
-                        drive_tokentrail(arm, stack.url, stack.user_key, meter, apis, loads, levels, args.duration)
-                    )
-            elif arm in ("embedded", "redis"):
-                say(f"tokentrail {'embedded' if arm == 'embedded' else 'on PostgreSQL + Redis'} ({args.engine})...")
-                services: contextlib.AbstractContextManager[dict[str, str]] = (
-                    postgres_and_redis() if arm == "redis" else contextlib.nullcontext({})
-                )
-                with (
-                    services as env,
-                    tokentrail_stack(sub, model_dir, max(levels), args.engine, env, engine_args=engine_args) as stack,
-                ):
-                    roles = [Role("server", stack.pids["server"]), Role("worker", stack.pids["worker"], "engine_core")]
-                    meter = CpuMeter(
-                        roles,
-                        services=arm == "redis",
-                        client=True,
-                        profiler=profiler,
-                        metrics_url=f"{stack.url}/metrics",
-                    )
-                    points += asyncio.run(
-                        drive_tokentrail(arm, stack.url, stack.user_key, meter, apis, loads, levels, args.duration)
-                    )
-            elif args.engine != "vllm":
-                say("vllm-serve: skipped (it runs with --engine vllm)")
-            else:
-                say("vllm serve...")
-                with vllm_serve(sub, model_dir, max(levels)) as (url, pid):
-                    meter = CpuMeter([Role("vllm_api", pid, "engine_core")], client=True, profiler=profiler)
-                    points += asyncio.run(drive_vllm_serve(url, meter, loads, levels, args.duration))
-    return points
+        for r in range(args.rounds):
+            order = arms if r % 2 == 0 else arms[::-1]
+            if args.rounds > 1:
+                say(f"round {r + 1} of {args.rounds}: {', '.join(order)}")
+            for arm in order:
+                sub = Path(tmp) / f"{arm}-{r}"
+                sub.mkdir()
+                points += _run_arm(args, arm, apis, loads, model_dir, sub, profiler)
+    return pooled(points)
+
+
+def _run_arm(
+    args: argparse.Namespace,
+    arm: str,
+    apis: list[str],
+    loads: list[Workload],
+    model_dir: str,
+    sub: Path,
+    profiler: Profiler | None,
+) -> list[Point]:
+    """One arm's stack, started, measured at every point, stopped."""
+    levels = _levels(args)
+    engine_args = [*_engine_options(args), *args.engine_args]  # the worker's: --device, --dtype, then the user's
+    if arm == "engine":
+        say(f"engine alone ({args.engine})...")
+        return engine_process(args.engine, _child_args(args, model_dir), sub)
+    if arm == "one-process":
+        say(f"tokentrail serve --model, one process, embedded ({args.engine})...")
+        with tokentrail_stack(
+            sub, model_dir, max(levels), args.engine, one_process=True, engine_args=engine_args
+        ) as stack:
+            # the server process holds the worker (and the hf engine); vLLM's engine core is its child
+            roles = [Role("server", stack.pids["server"], "engine_core")]
+            meter = CpuMeter(roles, client=True, profiler=profiler, metrics_url=f"{stack.url}/metrics")
+            return asyncio.run(
+                drive_tokentrail(arm, stack.url, stack.user_key, meter, apis, loads, levels, args.duration)
+            )
+    if arm in ("embedded", "redis"):
+        say(f"tokentrail {'embedded' if arm == 'embedded' else 'on PostgreSQL + Redis'} ({args.engine})...")
+        services: contextlib.AbstractContextManager[dict[str, str]] = (
+            postgres_and_redis() if arm == "redis" else contextlib.nullcontext({})
+        )
+        with (
+            services as env,
+            tokentrail_stack(sub, model_dir, max(levels), args.engine, env, engine_args=engine_args) as stack,
+        ):
+            roles = [Role("server", stack.pids["server"]), Role("worker", stack.pids["worker"], "engine_core")]
+            meter = CpuMeter(
+                roles,
+                services=arm == "redis",
+                client=True,
+                profiler=profiler,
+                metrics_url=f"{stack.url}/metrics",
+            )
+            return asyncio.run(
+                drive_tokentrail(arm, stack.url, stack.user_key, meter, apis, loads, levels, args.duration)
+            )
+    if args.engine != "vllm":
+        say("vllm-serve: skipped (it runs with --engine vllm)")
+        return []
+    say("vllm serve...")
+    with vllm_serve(sub, model_dir, max(levels)) as (url, pid):
+        meter = CpuMeter([Role("vllm_api", pid, "engine_core")], client=True, profiler=profiler)
+        return asyncio.run(drive_vllm_serve(url, meter, loads, levels, args.duration))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -178,6 +199,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")
     ap.add_argument("--tokens", type=int, default=64, help="tokens per reply: exactly (fixed) or at most (natural)")
     ap.add_argument("--duration", type=float, default=20.0, help="seconds measured per point")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the arms N times, every other round in reverse order, and pool each point's windows",
+    )
     ap.add_argument("--seed-requests", action="store_true", help="send a sampling seed with every request")
     ap.add_argument("--run-seed", type=int, help="seed of the agent loops' user messages (default: random)")
     ap.add_argument("--model-dir", help="default: the trained tiny chatml model (built once, cached)")
@@ -212,6 +239,10 @@ def main() -> int:
     args = parser().parse_args()
     if args.run_seed is None:
         args.run_seed = random.SystemRandom().randrange(2**31)
+    if args.rounds < 1:
+        raise SystemExit("--rounds: at least 1")
+    if args.rounds > 1 and args.profile:
+        raise SystemExit("--profile takes one round (each round's samples would overwrite the last)")
     if args.engine_child:
         from benchmarks.pipeline.engine import engine_points
 
@@ -256,6 +287,7 @@ def main() -> int:
                 "device": args.device,
                 "dtype": args.dtype,
                 "run_seed": args.run_seed,
+                "rounds": args.rounds,
                 "points": [summary(p) for p in points],
                 "ratios": ratios(points),
                 "checks": checks(points, args.engine),

@@ -70,6 +70,49 @@ class Point:
         self.usage_by_turn[turn - 1] += 1
 
 
+def _add_by_turn(into: list[int], more: list[int]) -> None:
+    into.extend([0] * (len(more) - len(into)))
+    for k, v in enumerate(more):
+        into[k] += v
+
+
+def pooled(points: Sequence[Point]) -> list[Point]:
+    """The rounds of a run (``--rounds``) pooled point by point (same arm, front door, workload, stop and
+    concurrency), in first-seen order: windows, tokens, turns, errors, CPU and the server's totals added
+    up, the latency samples joined, so that each figure is over every round's window. With the arms'
+    order reversed every other round, a machine that grows slower or faster during the run weighs on
+    every arm alike."""
+    out: dict[tuple[str, str, str, str, int], Point] = {}
+    for p in points:
+        key = (p.arm, p.api, p.workload, p.stop, p.concurrency)
+        acc = out.get(key)
+        if acc is None:
+            out[key] = Point(p.arm, p.api, p.workload, p.stop, p.concurrency, p.turns)
+            acc = out[key]
+        acc.wall_s += p.wall_s
+        acc.tokens += p.tokens
+        acc.events += p.events
+        acc.requests += p.requests
+        acc.errors += p.errors
+        acc.error_samples += [e for e in p.error_samples if e not in acc.error_samples][
+            : MAX_ERROR_SAMPLES - len(acc.error_samples)
+        ]
+        acc.ttft_s += p.ttft_s
+        acc.gaps_s += p.gaps_s
+        acc.ttft_by_turn_s.extend([] for _ in range(len(p.ttft_by_turn_s) - len(acc.ttft_by_turn_s)))
+        for k, xs in enumerate(p.ttft_by_turn_s):
+            acc.ttft_by_turn_s[k] += xs
+        _add_by_turn(acc.prompt_tokens_by_turn, p.prompt_tokens_by_turn)
+        _add_by_turn(acc.cached_tokens_by_turn, p.cached_tokens_by_turn)
+        _add_by_turn(acc.usage_by_turn, p.usage_by_turn)
+        for name, totals in ((acc.cpu_s, p.cpu_s), (acc.server, p.server)):
+            for k, v in totals.items():
+                name[k] = name.get(k, 0.0) + v
+        for k, n in p.counts.items():
+            acc.counts[k] = acc.counts.get(k, 0) + n
+    return list(out.values())
+
+
 def pct(xs: Sequence[float], q: float) -> float | None:
     if not xs:
         return None

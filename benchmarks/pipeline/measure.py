@@ -87,8 +87,7 @@ def pooled(points: Sequence[Point]) -> list[Point]:
         key = (p.arm, p.api, p.workload, p.stop, p.concurrency)
         acc = out.get(key)
         if acc is None:
-            out[key] = Point(p.arm, p.api, p.workload, p.stop, p.concurrency, p.turns)
-            acc = out[key]
+            acc = out[key] = Point(p.arm, p.api, p.workload, p.stop, p.concurrency, p.turns)
         acc.wall_s += p.wall_s
         acc.tokens += p.tokens
         acc.events += p.events
@@ -105,9 +104,9 @@ def pooled(points: Sequence[Point]) -> list[Point]:
         _add_by_turn(acc.prompt_tokens_by_turn, p.prompt_tokens_by_turn)
         _add_by_turn(acc.cached_tokens_by_turn, p.cached_tokens_by_turn)
         _add_by_turn(acc.usage_by_turn, p.usage_by_turn)
-        for name, totals in ((acc.cpu_s, p.cpu_s), (acc.server, p.server)):
+        for into, totals in ((acc.cpu_s, p.cpu_s), (acc.server, p.server)):
             for k, v in totals.items():
-                name[k] = name.get(k, 0.0) + v
+                into[k] = into.get(k, 0.0) + v
         for k, n in p.counts.items():
             acc.counts[k] = acc.counts.get(k, 0) + n
     return list(out.values())

@@ -166,12 +166,15 @@ def test_deleting_a_chat_cancels_its_running_generation(site: str) -> None:
         "GET", f"{site}/chats/{chat}/messages/{reply['id']}/events", headers={**headers, "Accept": "text/event-stream"}
     ) as resp:
         for line in resp.iter_lines():
-            if line.startswith("data:") and '"token"' in line:
-                seen.append({"line": line})
+            if not line.startswith("data:"):
+                continue
+            event = json.loads(line[5:])  # by its type: a token's text may itself be "message" or "error"
+            if event["event_type"] == "token":
+                seen.append(event)
                 if len(seen) == 3:
                     assert httpx.delete(f"{site}/chats/{chat}", headers=headers).status_code == 200
-            if line.startswith("data:") and ('"error"' in line or '"message"' in line):
-                final = json.loads(line[5:])
+            elif event["event_type"] in ("error", "message"):
+                final = event
                 break
     # the reader ends: its message was cancelled, or is already gone
     assert final["event_type"] == "error" and final["code"] in ("cancelled", "message_not_found"), final

@@ -1,14 +1,19 @@
 """In-process token streams: the embedded default for a single server process (DESIGN D4).
 
-Each message has a list of batches plus an optional terminal entry; readers blocked in ``read``
-wait on a per-stream event that every append/finish fires. Finished streams are dropped
+Each message has a list of batches plus an optional terminal entry; a reader blocked in ``read`` waits
+on a future of its own that the stream's next append/finish resolves. Finished streams are dropped
 ``expire_after_s`` after ``finish`` by a lazy sweep that runs on every call.
+
+Every connected reader waits once per engine step, so a wait is on the per-token path: it costs a future
+and a list entry, and its timeout shares one timer with the other waits that end in the same tick
+(``_Ticks``), rather than a timeout context and a timer of its own, plus a new event per append (issue 22).
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,16 +27,17 @@ class _Stream:
     ends: list[int] = field(default_factory=list)  # batches[i].end, ascending, for bisect
     done: StreamDone | None = None
     readers: int = 0
-    # Replaced after each change, so all current waiters wake at once.
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    waiters: list[asyncio.Future[None]] = field(default_factory=list)  # resolved by the next change
 
     @property
     def length(self) -> int:
         return self.ends[-1] if self.ends else 0
 
     def notify(self) -> None:
-        self.changed.set()
-        self.changed = asyncio.Event()
+        waiters, self.waiters = self.waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
 
     def compact(self) -> None:
         """One batch for a finished stream's tokens. A stream is kept ``expire_after_s`` after its end (for
@@ -55,11 +61,35 @@ class _Stream:
         return entries
 
 
-class MemoryTokenStreams:
-    """Token streams of one process; finished ones are forgotten ``expire_after_s`` later."""
+class _Ticks:
+    """Wait timeouts rounded up to the next tick of ``tick_s``: one timer per tick wakes every wait that
+    ends in it. A wait woken earlier by its stream stays listed, done, until its tick."""
 
-    def __init__(self, expire_after_s: float = 300) -> None:
+    def __init__(self, tick_s: float) -> None:
+        self.tick_s = tick_s
+        self._due: dict[int, list[asyncio.Future[None]]] = {}
+
+    def add(self, loop: asyncio.AbstractEventLoop, deadline: float, waiter: asyncio.Future[None]) -> None:
+        tick = math.ceil(deadline / self.tick_s)
+        due = self._due.get(tick)
+        if due is None:
+            due = self._due[tick] = []
+            loop.call_at(tick * self.tick_s, self._fire, tick)
+        due.append(waiter)
+
+    def _fire(self, tick: int) -> None:
+        for w in self._due.pop(tick, ()):
+            if not w.done():
+                w.set_result(None)
+
+
+class MemoryTokenStreams:
+    """Token streams of one process; finished ones are forgotten ``expire_after_s`` later. A read's
+    timeout ends up to ``tick_s`` late (see ``_Ticks``)."""
+
+    def __init__(self, expire_after_s: float = 300, tick_s: float = 0.05) -> None:
         self.expire_after_s = expire_after_s
+        self._ticks = _Ticks(tick_s)
         self._streams: dict[str, _Stream] = {}
         # (expires_at, message_id, stream) in finish order; a constant TTL keeps it sorted.
         self._expiry: deque[tuple[float, str, _Stream]] = deque()
@@ -129,14 +159,20 @@ class MemoryTokenStreams:
         if entries or timeout_s <= 0:
             self._drop_if_placeholder(message_id, stream)
             return entries
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         stream.readers += 1
         try:
-            async with asyncio.timeout(timeout_s):
-                while not entries:
-                    await stream.changed.wait()
-                    entries = stream.entries_after(after)
-        except TimeoutError:
-            pass
+            while not entries and loop.time() < deadline:
+                waiter: asyncio.Future[None] = loop.create_future()
+                stream.waiters.append(waiter)
+                self._ticks.add(loop, deadline, waiter)
+                try:
+                    await waiter
+                finally:
+                    if waiter in stream.waiters:  # timed out or cancelled: not woken by a change
+                        stream.waiters.remove(waiter)
+                entries = stream.entries_after(after)
         finally:
             stream.readers -= 1
             self._drop_if_placeholder(message_id, stream)

@@ -71,7 +71,8 @@ def spawn(
 
 
 def stop(proc: subprocess.Popen[bytes], name: str) -> None:
-    """SIGINT (a server shuts down, a worker hands its work back), then SIGKILL after 15 s."""
+    """SIGINT (a server shuts down, a worker hands its work back), then SIGKILL after 15 s, for the
+    child and every process below it."""
     if proc.poll() is not None:
         return
     proc.send_signal(signal.SIGINT)
@@ -79,8 +80,37 @@ def stop(proc: subprocess.Popen[bytes], name: str) -> None:
         proc.wait(timeout=_STOP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         print(f"{name} did not stop in {_STOP_TIMEOUT_S}s; killing it", file=sys.stderr, flush=True)
+        # A vLLM worker's engine-core and model-runner processes would outlive it, reparented, each
+        # holding its share of the memory (GPU memory on a GPU): listed while they are still its
+        # descendants, killed after it, so that no supervisor in it starts them again meanwhile.
+        below = descendants(proc.pid)
         proc.kill()
         proc.wait()
+        for pid in below:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid``, nearest first (Linux ``/proc/PID/task/TID/children``; none where
+    that is not available)."""
+    found: list[int] = []
+    pending = [pid]
+    while pending:
+        parent = pending.pop(0)
+        try:
+            threads = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in threads:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as f:
+                    children = [int(c) for c in f.read().split()]
+            except (OSError, ValueError):
+                continue
+            found += children
+            pending += children
+    return found
 
 
 def answers(url: str) -> bool:

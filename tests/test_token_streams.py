@@ -316,18 +316,18 @@ async def test_memory_reads_that_time_out_or_are_cancelled_leave_no_waiter_behin
         assert await streams.read(mid, 1, timeout_s=0.1) == []
     elapsed = time.monotonic() - t0
     assert 0.3 <= elapsed < 0.3 + 3 * 0.05 + 0.2
-    assert streams._streams[mid].waiters == []
+    assert not streams._streams[mid].waiters
     task = asyncio.create_task(streams.read(mid, 1, timeout_s=30))
     await asyncio.sleep(0.01)
     assert len(streams._streams[mid].waiters) == 1
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert streams._streams[mid].waiters == [] and streams._streams[mid].readers == 0
+    assert not streams._streams[mid].waiters and streams._streams[mid].readers == 0
     # readers waiting on one stream all wake at its next append
     readers = [asyncio.create_task(streams.read(mid, 1, timeout_s=30)) for _ in range(5)]
     await asyncio.sleep(0.01)
     await streams.append(mid, batch(2, 1))
     for entries in await asyncio.wait_for(asyncio.gather(*readers), timeout=1):
         assert [e.token_ids for e in entries if isinstance(e, TokenBatch)] == [[102]]
-    assert streams._streams[mid].waiters == []
+    assert not streams._streams[mid].waiters

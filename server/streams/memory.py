@@ -27,14 +27,15 @@ class _Stream:
     ends: list[int] = field(default_factory=list)  # batches[i].end, ascending, for bisect
     done: StreamDone | None = None
     readers: int = 0
-    waiters: list[asyncio.Future[None]] = field(default_factory=list)  # resolved by the next change
+    # resolved by the next change; a dict (ordered, O(1) removal), since a stream may have many readers
+    waiters: dict[asyncio.Future[None], None] = field(default_factory=dict)
 
     @property
     def length(self) -> int:
         return self.ends[-1] if self.ends else 0
 
     def notify(self) -> None:
-        waiters, self.waiters = self.waiters, []
+        waiters, self.waiters = self.waiters, {}
         for w in waiters:
             if not w.done():
                 w.set_result(None)
@@ -67,18 +68,19 @@ class _Ticks:
 
     def __init__(self, tick_s: float) -> None:
         self.tick_s = tick_s
-        self._due: dict[int, list[asyncio.Future[None]]] = {}
+        # keyed by loop too: a tick's timer runs in the loop that armed it
+        self._due: dict[tuple[asyncio.AbstractEventLoop, int], list[asyncio.Future[None]]] = {}
 
     def add(self, loop: asyncio.AbstractEventLoop, deadline: float, waiter: asyncio.Future[None]) -> None:
-        tick = math.ceil(deadline / self.tick_s)
-        due = self._due.get(tick)
+        key = (loop, math.ceil(deadline / self.tick_s))
+        due = self._due.get(key)
         if due is None:
-            due = self._due[tick] = []
-            loop.call_at(tick * self.tick_s, self._fire, tick)
+            due = self._due[key] = []
+            loop.call_at(key[1] * self.tick_s, self._fire, key)
         due.append(waiter)
 
-    def _fire(self, tick: int) -> None:
-        for w in self._due.pop(tick, ()):
+    def _fire(self, key: tuple[asyncio.AbstractEventLoop, int]) -> None:
+        for w in self._due.pop(key, ()):
             if not w.done():
                 w.set_result(None)
 
@@ -165,13 +167,12 @@ class MemoryTokenStreams:
         try:
             while not entries and loop.time() < deadline:
                 waiter: asyncio.Future[None] = loop.create_future()
-                stream.waiters.append(waiter)
+                stream.waiters[waiter] = None
                 self._ticks.add(loop, deadline, waiter)
                 try:
                     await waiter
                 finally:
-                    if waiter in stream.waiters:  # timed out or cancelled: not woken by a change
-                        stream.waiters.remove(waiter)
+                    stream.waiters.pop(waiter, None)  # still there if it timed out or was cancelled
                 entries = stream.entries_after(after)
         finally:
             stream.readers -= 1

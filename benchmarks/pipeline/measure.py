@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,8 +70,9 @@ class Point:
         self.usage_by_turn[turn - 1] += 1
 
 
-def _add_by_turn(into: list[int], more: list[int]) -> None:
-    into.extend([0] * (len(more) - len(into)))
+def _add_by_turn(into: list[Any], more: list[Any], blank: Callable[[], Any] = int) -> None:
+    """``into[k] += more[k]`` for every turn, ``into`` first padded with ``blank()`` to ``more``'s length."""
+    into.extend(blank() for _ in range(len(more) - len(into)))
     for k, v in enumerate(more):
         into[k] += v
 
@@ -98,9 +99,7 @@ def pooled(points: Sequence[Point]) -> list[Point]:
         ]
         acc.ttft_s += p.ttft_s
         acc.gaps_s += p.gaps_s
-        acc.ttft_by_turn_s.extend([] for _ in range(len(p.ttft_by_turn_s) - len(acc.ttft_by_turn_s)))
-        for k, xs in enumerate(p.ttft_by_turn_s):
-            acc.ttft_by_turn_s[k] += xs
+        _add_by_turn(acc.ttft_by_turn_s, p.ttft_by_turn_s, list)
         _add_by_turn(acc.prompt_tokens_by_turn, p.prompt_tokens_by_turn)
         _add_by_turn(acc.cached_tokens_by_turn, p.cached_tokens_by_turn)
         _add_by_turn(acc.usage_by_turn, p.usage_by_turn)

@@ -16,6 +16,7 @@ import bisect
 import math
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from server.streams.protocol import StreamConflict, StreamDone, StreamEntry, TokenBatch, concatenated
@@ -36,9 +37,7 @@ class _Stream:
 
     def notify(self) -> None:
         waiters, self.waiters = self.waiters, {}
-        for w in waiters:
-            if not w.done():
-                w.set_result(None)
+        _wake(waiters)
 
     def compact(self) -> None:
         """One batch for a finished stream's tokens. A stream is kept ``expire_after_s`` after its end (for
@@ -80,9 +79,15 @@ class _Ticks:
         due.append(waiter)
 
     def _fire(self, key: tuple[asyncio.AbstractEventLoop, int]) -> None:
-        for w in self._due.pop(key, ()):
-            if not w.done():
-                w.set_result(None)
+        _wake(self._due.pop(key, ()))
+
+
+def _wake(waiters: Iterable[asyncio.Future[None]]) -> None:
+    """Resolve the waits still pending (one may be done: cancelled, or woken by the other of its
+    stream's change and its tick)."""
+    for w in waiters:
+        if not w.done():
+            w.set_result(None)
 
 
 class MemoryTokenStreams:

@@ -301,7 +301,11 @@ class WorkerClient:
             box = self._outbox = _Outbox(channel)
             asyncio.get_running_loop().create_task(self._flush(box))
         box.frames.append(frame)
-        await asyncio.shield(box.sent)
+        # A future per sender, not one shared future behind asyncio.shield: a cancelled sender cancels
+        # only its own, and the flush wakes each sender directly (shield: one more loop trip per token).
+        sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        box.senders.append(sent)
+        await sent
 
     async def _flush(self, box: _Outbox) -> None:
         await asyncio.sleep(0)  # let the rest of this step's senders add their frames
@@ -310,11 +314,11 @@ class WorkerClient:
         try:
             async with self._send_lock:
                 await box.channel.send_step(box.frames)
-            box.sent.set_result(None)
+            box.settle(None)
         except Exception as exc:
-            box.sent.set_exception(exc)
+            box.settle(exc)
         except BaseException:
-            box.sent.set_exception(ConnectionError("the send was cancelled"))
+            box.settle(ConnectionError("the send was cancelled"))
             raise
 
     async def _abort_all(self) -> None:
@@ -463,14 +467,23 @@ class WorkerClient:
 
 
 class _Outbox:
-    """Frames queued for one message (one engine step's), and the future of its send."""
+    """The frames of one engine step, sent as one message, and each sender's wait for that send."""
 
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
         self.frames: list[ToServer] = []
-        self.sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        # mark a failure retrieved even when every sender has gone (their tasks were cancelled)
-        self.sent.add_done_callback(lambda f: None if f.cancelled() else f.exception())
+        self.senders: list[asyncio.Future[None]] = []
+
+    def settle(self, error: BaseException | None) -> None:
+        """Wake every sender still waiting (a cancelled one's future is done already): with the send's
+        error, if any."""
+        for sent in self.senders:
+            if not sent.done():
+                if error is None:
+                    sent.set_result(None)
+                else:
+                    sent.set_exception(error)
+                    sent.exception()  # retrieved: no warning if its sender is cancelled before it wakes
 
 
 # How long after its last frame a message is still named in ``released`` when the connection

@@ -89,7 +89,10 @@ class StreamMux:
         if key not in self._reading:
             await self._wake()
         try:
-            return await asyncio.wait_for(waiter, timeout=timeout_s)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for wakes the reader through a second
+            # future, one more trip through the event loop for every read
+            async with asyncio.timeout(timeout_s):
+                return await waiter
         except TimeoutError:
             return []
         finally:

@@ -311,7 +311,10 @@ class WorkerHub:
         rpc answers, which need no storage, take effect at once."""
         while True:
             try:
-                got = await asyncio.wait_for(conn.link.receive(), timeout=self.settings.worker_timeout_s)
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for runs the receive as a task of
+                # its own, two more trips through the event loop for every engine step's frames
+                async with asyncio.timeout(self.settings.worker_timeout_s):
+                    got = await conn.link.receive()
             except TimeoutError:
                 log.warning("worker %s silent for %.0fs: dropping it", conn.id, self.settings.worker_timeout_s)
                 with contextlib.suppress(Exception):

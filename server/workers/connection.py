@@ -61,6 +61,8 @@ class WorkerConnection:
     engine_state: str = "ready"  # its engine's, from engine frames: no work while not "ready"
     engine_deaths: int = 0
     engine_restarts: int = 0
+    # engine frames read but not yet handled by the flusher: credits read meanwhile wait behind them
+    engine_frames_queued: int = 0
     served: int = 0  # replies finished and stored
 
     async def send(self, frame: ServerFrame) -> None:

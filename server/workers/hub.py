@@ -329,9 +329,16 @@ class WorkerHub:
             got = got if isinstance(got, list) else [got]  # a list: the frames of one engine step (FEATURE_BATCH)
             stored: list[WorkerFrame] = []
             for frame in got:
-                if isinstance(frame, CreditFrame | DrainFrame | RpcResultFrame):
+                # A credit read after an engine frame that the flusher has not handled yet waits behind
+                # it: a restarted engine's "ready" comes just before its credits, and a credit handled
+                # first would find the engine still down and be dropped (the worker idle for good).
+                if isinstance(frame, DrainFrame | RpcResultFrame) or (
+                    isinstance(frame, CreditFrame) and not conn.engine_frames_queued
+                ):
                     await self._on_frame(conn, frame)
                 else:
+                    if isinstance(frame, EngineFrame):
+                        conn.engine_frames_queued += 1
                     stored.append(frame)
             if stored:
                 await frames.put(stored)
@@ -353,7 +360,11 @@ class WorkerHub:
                 else:
                     await self._store(conn, tokens, ends)
                     tokens, ends = [], []
-                    await self._on_frame(conn, frame)
+                    try:
+                        await self._on_frame(conn, frame)
+                    finally:
+                        if isinstance(frame, EngineFrame):
+                            conn.engine_frames_queued -= 1
             await self._store(conn, tokens, ends)
 
     async def _store(

@@ -1,6 +1,8 @@
 """The worker's outbox: the frames its message tasks send while the event loop runs one engine step's
 consumers go to the server as one message (a list), each sender returns once that message is out, a
-cancelled sender leaves the others (and the send) alone, and a failed send fails every sender.
+cancelled sender leaves the others (and the send) alone, and a failed send fails every sender. A
+message's frames are posted (queued without waiting for the send): they join the same message, and after
+a failed send the next post raises.
 
 Over the real in-process link of ``tokentrail serve --model`` (``shared.local_link``); the engine is the
 tiny model's hf engine, never started (the outbox does not touch it)."""
@@ -65,5 +67,36 @@ def test_a_failed_send_fails_every_sender(tiny_model_dir: Path) -> None:
         assert all(isinstance(r, LinkClosed) for r in results), results
         with contextlib.suppress(LinkClosed):
             await server.receive()
+
+    asyncio.run(run())
+
+
+def test_posts_join_the_steps_message_without_waiting(tiny_model_dir: Path) -> None:
+    async def run() -> None:
+        client, server = _client(tiny_model_dir)
+        await client._post(HeartbeatFrame())  # returns at once: nothing is sent yet
+        await client._post(HeartbeatFrame())
+        sender = asyncio.create_task(client._send(HeartbeatFrame()))
+        await sender  # the step's message: the two posts and the send
+        assert len(await server.receive()) == 3
+        await client._post(HeartbeatFrame())
+        await client._sent()  # a drain waits for what was posted
+        assert len(await server.receive()) == 1
+
+    asyncio.run(run())
+
+
+def test_a_post_after_a_failed_send_raises(tiny_model_dir: Path) -> None:
+    async def run() -> None:
+        client, server = _client(tiny_model_dir)
+        server.close(1011, "gone")
+        await client._post(HeartbeatFrame())  # queued; its send fails
+        with contextlib.suppress(LinkClosed):
+            await client._sent()
+        try:
+            await client._post(HeartbeatFrame())
+        except ConnectionError:
+            return
+        raise AssertionError("a post on a failed channel did not raise")
 
     asyncio.run(run())

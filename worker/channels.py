@@ -66,12 +66,12 @@ class SocketChannel:
         self.ws = ws
 
     async def send(self, frame: ToServer) -> None:
-        await self.ws.send(_json(frame).decode())
+        await self.ws.send(_json(frame), text=True)
 
     async def send_step(self, frames: Sequence[ToServer]) -> None:
         data = [_json(f) for f in frames]
-        # a text message, as the server reads it
-        await self.ws.send((data[0] if len(data) == 1 else b"[" + b",".join(data) + b"]").decode())
+        # the UTF-8 JSON as a text message, as the server reads it (not decoded here to be encoded again)
+        await self.ws.send(data[0] if len(data) == 1 else b"[" + b",".join(data) + b"]", text=True)
 
     async def receive(self) -> ServerFrame | None:
         try:

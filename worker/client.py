@@ -100,6 +100,7 @@ class WorkerClient:
         self._send_lock = asyncio.Lock()
         self._batching = False  # the server takes the frames of one engine step as one message
         self._outbox: _Outbox | None = None
+        self._failed_channel: Channel | None = None  # a send on it failed: posts to it raise
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.connected = asyncio.Event()
         self.draining = False  # shutting down: no new work, no more credits
@@ -152,6 +153,8 @@ class WorkerClient:
             log.warning("drain timed out: handing back %d messages", len(self._tasks))
         channel = self._channel
         if channel is not None:
+            with contextlib.suppress(Exception):
+                await self._sent()  # the finished messages' last posted frames
             with contextlib.suppress(Exception):
                 await channel.close()
 
@@ -287,6 +290,7 @@ class WorkerClient:
             await self._send(HeartbeatFrame())
 
     async def _send(self, frame: ToServer) -> None:
+        """Send a frame and return once it is out (its send's error raised here)."""
         channel = self._channel
         if channel is None:
             raise ConnectionError("not connected")
@@ -294,18 +298,53 @@ class WorkerClient:
             async with self._send_lock:
                 await channel.send(frame)
             return
-        # Frames sent while the loop runs one engine step's consumers go out as one message: the
-        # first schedules the flush, the rest join it; each sender waits for (and sees errors of) it.
-        box = self._outbox
-        if box is None or box.channel is not channel:
-            box = self._outbox = _Outbox(channel)
-            asyncio.get_running_loop().create_task(self._flush(box))
+        box = self._box(channel)
         box.frames.append(frame)
         # A future per sender, not one shared future behind asyncio.shield: a cancelled sender cancels
         # only its own, and the flush wakes each sender directly (shield: one more loop trip per token).
         sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         box.senders.append(sent)
         await sent
+
+    async def _post(self, frame: ToServer) -> None:
+        """Queue a frame for this engine step's message and go on without waiting for the send: a
+        message's task then sleeps once per engine step (waiting for the engine), not twice. It waits
+        only while the queued frames pile up behind a slow send; a failed send is raised by the next
+        post on that channel (the connection is gone, and the session's end aborts the rest)."""
+        channel = self._channel
+        if channel is None:
+            raise ConnectionError("not connected")
+        if channel is self._failed_channel:
+            raise ConnectionError("the connection to the server failed")
+        if not self._batching:
+            async with self._send_lock:
+                await channel.send(frame)
+            return
+        box = self._box(channel)
+        box.frames.append(frame)
+        if len(box.frames) >= _POST_BACKLOG:
+            sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            box.senders.append(sent)
+            await sent
+
+    async def _sent(self) -> None:
+        """Return once every frame posted so far is out (raising its send's error)."""
+        box = self._outbox
+        if box is not None:
+            sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            box.senders.append(sent)
+            await sent
+        async with self._send_lock:  # a flush already under way
+            pass
+
+    def _box(self, channel: Channel) -> _Outbox:
+        # Frames queued while the loop runs one engine step's consumers go out as one message: the
+        # first schedules the flush, the rest join it.
+        box = self._outbox
+        if box is None or box.channel is not channel:
+            box = self._outbox = _Outbox(channel)
+            asyncio.get_running_loop().create_task(self._flush(box))
+        return box
 
     async def _flush(self, box: _Outbox) -> None:
         await asyncio.sleep(0)  # let the rest of this step's senders add their frames
@@ -316,8 +355,10 @@ class WorkerClient:
                 await box.channel.send_step(box.frames)
             box.settle(None)
         except Exception as exc:
+            self._failed_channel = box.channel
             box.settle(exc)
         except BaseException:
+            self._failed_channel = box.channel
             box.settle(ConnectionError("the send was cancelled"))
             raise
 
@@ -346,7 +387,7 @@ class WorkerClient:
             # is closed right then, not whenever the garbage collector finds it.
             async with contextlib.aclosing(self.pipeline.frames(frame)) as frames:
                 async for out in frames:
-                    await self._send(out)
+                    await self._post(out)
             self.completed += 1
         except EngineDead as exc:
             if self.health is not None:
@@ -383,7 +424,8 @@ class WorkerClient:
             self._attempts.pop(frame.message_id, None)
             self._ended(frame.message_id, frame.attempt)
         if not self.draining and not self.engine_down:
-            await self._send_quietly(CreditFrame(credits=1))
+            with contextlib.suppress(ConnectionError, websockets.exceptions.WebSocketException):
+                await self._post(CreditFrame(credits=1))
 
     # ---- engine health ---------------------------------------------------------------------------
     def _engine_changed(self, state: HealthState, running: frozenset[str]) -> None:
@@ -485,6 +527,9 @@ class _Outbox:
                     sent.set_exception(error)
                     sent.exception()  # retrieved: no warning if its sender is cancelled before it wakes
 
+
+# Queued frames past which a post waits for their send (a server that stopped reading).
+_POST_BACKLOG = 4096
 
 # How long after its last frame a message is still named in ``released`` when the connection
 # fails: frames in flight or unprocessed when a server dies are lost with it.

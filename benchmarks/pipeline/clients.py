@@ -89,6 +89,7 @@ class OAFlow:
                 elif kind == "message":
                     if k == 0:
                         final.update(ev.get("message") or {})
+                        mine.done()
                     return
             raise RuntimeError("the event stream ended without its final message")
 
@@ -155,6 +156,7 @@ class OpenAIChat:
                 data = line[5:].strip()
                 if data == "[DONE]":
                     done = True
+                    arrivals.done()
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:

@@ -35,6 +35,7 @@ class Point:
     error_samples: list[str] = field(default_factory=list)
     ttft_s: list[float] = field(default_factory=list)
     gaps_s: list[float] = field(default_factory=list)
+    tails_s: list[float] = field(default_factory=list)  # a turn's last token -> the end of its stream
     ttft_by_turn_s: list[list[float]] = field(default_factory=list)  # [turn index - 1] -> TTFTs
     prompt_tokens_by_turn: list[int] = field(default_factory=list)  # summed over turns that reported usage
     cached_tokens_by_turn: list[int] = field(default_factory=list)
@@ -99,6 +100,7 @@ def pooled(points: Sequence[Point]) -> list[Point]:
         ]
         acc.ttft_s += p.ttft_s
         acc.gaps_s += p.gaps_s
+        acc.tails_s += p.tails_s
         _add_by_turn(acc.ttft_by_turn_s, p.ttft_by_turn_s, list)
         _add_by_turn(acc.prompt_tokens_by_turn, p.prompt_tokens_by_turn)
         _add_by_turn(acc.cached_tokens_by_turn, p.cached_tokens_by_turn)
@@ -162,6 +164,12 @@ class Arrivals:
         self.last = now
         self.point.tokens += n
         self.point.events += 1
+
+    def done(self) -> None:
+        """The turn's stream ended (``[DONE]``, the OA flow's final message): the wait after its last
+        token, which a closed-loop client spends before its next turn."""
+        if not self.first and self.window.open:
+            self.point.tails_s.append(time.perf_counter() - self.last)
 
 
 # ---- CPU ------------------------------------------------------------------------------------------
@@ -331,6 +339,7 @@ def summary(p: Point) -> dict[str, Any]:
         "ttft_p99_ms": ms(pct(p.ttft_s, 0.99)),
         "itl_p50_ms": ms(pct(p.gaps_s, 0.5)),
         "itl_p99_ms": ms(pct(p.gaps_s, 0.99)),
+        "end_p50_ms": ms(pct(p.tails_s, 0.5)),
         "tokens_per_event": round(p.tokens / p.events, 2) if p.events else None,
         "ttft_p50_ms_by_turn": [ms(pct(p.ttft_by_turn_s[k], 0.5)) for k in range(turns)],
         "counts": p.counts,

@@ -141,7 +141,7 @@ def _workload(s: dict[str, Any]) -> str:
 
 IDENT = [("arm", 18), ("workload", 8), ("stop", 7), ("c", 3)]
 MAIN = [("tok/s", 8), ("turns", 6), ("errors", 6), ("TTFT p50", 9), ("TTFT p99", 9), ("ITL p50", 8), ("ITL p99", 8),
-        ("tok/ev", 6), ("cached", 6)]  # fmt: skip
+        ("end p50", 8), ("tok/ev", 6), ("cached", 6)]  # fmt: skip
 CPU = [("server", 7), ("worker", 7), ("eng-core", 8), ("vllm-api", 8), ("engine", 7), ("client", 7), ("pg+redis", 8),
        ("total", 7)]  # fmt: skip
 
@@ -152,7 +152,7 @@ def _ident(s: dict[str, Any]) -> list[Any]:
 
 def _main_row(s: dict[str, Any]) -> list[Any]:
     keys = ("tokens_per_s", "requests", "errors", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-            "tokens_per_event", "cached_share_later_turns")  # fmt: skip
+            "end_p50_ms", "tokens_per_event", "cached_share_later_turns")  # fmt: skip
     return [*_ident(s), *(s[k] for k in keys)]
 
 
@@ -169,8 +169,8 @@ def _by_turn_row(s: dict[str, Any], key: str, turns: int) -> list[Any]:
 def print_report(points: Sequence[Point], engine: str) -> None:
     sums = [summary(p) for p in points]
     title = (
-        "throughput and latency (ms); tok/ev: tokens per stream event that carried tokens; cached: cached /"
-        " prompt tokens of turns 2..N; workload agentN: N turns"
+        "throughput and latency (ms); end: a turn's last token -> the end of its stream; tok/ev: tokens per"
+        " stream event that carried tokens; cached: cached / prompt tokens of turns 2..N; workload agentN: N turns"
     )
     _table(title, IDENT + MAIN, [_main_row(s) for s in sums])
     title = "CPU ms per delivered token by process (eng-core: the engine's child processes; total: all but client)"

@@ -293,10 +293,12 @@ class CpuMeter:
 def server_totals(metrics_url: str) -> dict[str, float]:
     """From a tokentrail server's ``/metrics``, summed over labels: seconds in garbage collection,
     collections and those over 50 ms (``tokentrail_gc_pause_seconds``); queue waits (request -> a
-    worker starts it) and server-side TTFTs, their sums and counts. Read at a window's ends."""
+    worker starts it), server-side TTFTs and inter-token gaps, their sums and counts. Read at a window's ends."""
     with urllib.request.urlopen(metrics_url, timeout=10) as resp:
         text = resp.read().decode()
-    out = dict.fromkeys(("gc_s", "collections", "upto_50ms", "wait_s", "waits", "ttft_s", "ttfts"), 0.0)
+    out = dict.fromkeys(
+        ("gc_s", "collections", "upto_50ms", "wait_s", "waits", "ttft_s", "ttfts", "itl_s", "itls"), 0.0
+    )
     series = {
         "tokentrail_gc_pause_seconds_sum": "gc_s",
         "tokentrail_gc_pause_seconds_count": "collections",
@@ -304,6 +306,8 @@ def server_totals(metrics_url: str) -> dict[str, float]:
         "tokentrail_queue_wait_seconds_count": "waits",
         "tokentrail_ttft_seconds_sum": "ttft_s",
         "tokentrail_ttft_seconds_count": "ttfts",
+        "tokentrail_inter_token_seconds_sum": "itl_s",
+        "tokentrail_inter_token_seconds_count": "itls",
     }
     for line in text.splitlines():
         if not line.startswith("tokentrail_"):
@@ -339,6 +343,7 @@ def summary(p: Point) -> dict[str, Any]:
         "ttft_p99_ms": ms(pct(p.ttft_s, 0.99)),
         "itl_p50_ms": ms(pct(p.gaps_s, 0.5)),
         "itl_p99_ms": ms(pct(p.gaps_s, 0.99)),
+        "itl_mean_ms": ms(sum(p.gaps_s) / len(p.gaps_s)) if p.gaps_s else None,
         "end_p50_ms": ms(pct(p.tails_s, 0.5)),
         "tokens_per_event": round(p.tokens / p.events, 2) if p.events else None,
         "ttft_p50_ms_by_turn": [ms(pct(p.ttft_by_turn_s[k], 0.5)) for k in range(turns)],
@@ -364,4 +369,5 @@ def summary(p: Point) -> dict[str, Any]:
         out["server_gc_pauses_over_50ms"] = int(s["long"])
         out["server_queue_wait_mean_ms"] = round(1000 * s["wait_s"] / s["waits"], 1) if s["waits"] else None
         out["server_ttft_mean_ms"] = round(1000 * s["ttft_s"] / s["ttfts"], 1) if s["ttfts"] else None
+        out["server_itl_mean_ms"] = round(1000 * s["itl_s"] / s["itls"], 2) if s.get("itls") else None
     return out

@@ -141,7 +141,7 @@ def _workload(s: dict[str, Any]) -> str:
 
 IDENT = [("arm", 18), ("workload", 8), ("stop", 7), ("c", 3)]
 MAIN = [("tok/s", 8), ("turns", 6), ("errors", 6), ("TTFT p50", 9), ("TTFT p99", 9), ("ITL p50", 8), ("ITL p99", 8),
-        ("end p50", 8), ("tok/ev", 6), ("cached", 6)]  # fmt: skip
+        ("ITL mean", 8), ("end p50", 8), ("tok/ev", 6), ("cached", 6)]  # fmt: skip
 CPU = [("server", 7), ("worker", 7), ("eng-core", 8), ("vllm-api", 8), ("engine", 7), ("client", 7), ("pg+redis", 8),
        ("total", 7)]  # fmt: skip
 
@@ -152,7 +152,7 @@ def _ident(s: dict[str, Any]) -> list[Any]:
 
 def _main_row(s: dict[str, Any]) -> list[Any]:
     keys = ("tokens_per_s", "requests", "errors", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-            "end_p50_ms", "tokens_per_event", "cached_share_later_turns")  # fmt: skip
+            "itl_mean_ms", "end_p50_ms", "tokens_per_event", "cached_share_later_turns")  # fmt: skip
     return [*_ident(s), *(s[k] for k in keys)]
 
 
@@ -178,11 +178,11 @@ def print_report(points: Sequence[Point], engine: str) -> None:
     collected = [s for s in sums if "server_gc_share_of_cpu" in s]
     if collected:
         head = [*IDENT, ("GC share of CPU", 16), ("collections", 12), ("pauses > 50 ms", 15)]
-        head += [("queue wait", 10), ("TTFT", 7)]
+        head += [("queue wait", 10), ("TTFT", 7), ("ITL mean", 8)]
         keys = ("server_gc_share_of_cpu", "server_gc_collections", "server_gc_pauses_over_50ms")
-        keys += ("server_queue_wait_mean_ms", "server_ttft_mean_ms")
+        keys += ("server_queue_wait_mean_ms", "server_ttft_mean_ms", "server_itl_mean_ms")
         rows = [[*_ident(s), *(s.get(k) for k in keys)] for s in collected]
-        title = "tokentrail server in the window (its /metrics): garbage collector; mean queue wait and TTFT (ms)"
+        title = "tokentrail server in the window (its /metrics): garbage collector; mean queue wait, TTFT, inter-token"
         _table(title, head, rows)
     agents = [s for s in sums if s["workload"] == "agent"]
     turns = max((len(s["ttft_p50_ms_by_turn"]) for s in agents), default=0)

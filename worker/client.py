@@ -291,20 +291,9 @@ class WorkerClient:
 
     async def _send(self, frame: ToServer) -> None:
         """Send a frame and return once it is out (its send's error raised here)."""
-        channel = self._channel
-        if channel is None:
-            raise ConnectionError("not connected")
-        if not self._batching:
-            async with self._send_lock:
-                await channel.send(frame)
-            return
-        box = self._box(channel)
-        box.frames.append(frame)
-        # A future per sender, not one shared future behind asyncio.shield: a cancelled sender cancels
-        # only its own, and the flush wakes each sender directly (shield: one more loop trip per token).
-        sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        box.senders.append(sent)
-        await sent
+        await self._post(frame)
+        if self._batching:
+            await self._sent()
 
     async def _post(self, frame: ToServer) -> None:
         """Queue a frame for this engine step's message and go on without waiting for the send: a
@@ -323,17 +312,12 @@ class WorkerClient:
         box = self._box(channel)
         box.frames.append(frame)
         if len(box.frames) >= _POST_BACKLOG:
-            sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            box.senders.append(sent)
-            await sent
+            await box.sent()
 
     async def _sent(self) -> None:
         """Return once every frame posted so far is out (raising its send's error)."""
-        box = self._outbox
-        if box is not None:
-            sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            box.senders.append(sent)
-            await sent
+        if self._outbox is not None:
+            await self._outbox.sent()
         async with self._send_lock:  # a flush already under way
             pass
 
@@ -515,6 +499,13 @@ class _Outbox:
         self.channel = channel
         self.frames: list[ToServer] = []
         self.senders: list[asyncio.Future[None]] = []
+
+    async def sent(self) -> None:
+        """Wait for this message's send (its error raised). A future per waiter, not one shared future
+        behind asyncio.shield: a cancelled waiter cancels only its own, and the flush wakes each directly."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.senders.append(done)
+        await done
 
     def settle(self, error: BaseException | None) -> None:
         """Wake every sender still waiting (a cancelled one's future is done already): with the send's

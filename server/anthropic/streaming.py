@@ -36,11 +36,19 @@ _DELTA = {"thinking": "thinking_delta", "text": "text_delta"}
 
 
 class _Blocks:
-    """The content blocks sent so far: their count and the open one."""
+    """The content blocks sent so far: their count, the open one, and reasoning held for the end.
+
+    An echoed turn joins its text blocks (and its thinking blocks) with a separator, so each channel
+    must stream as one block for the echo to be the stored message: a text block, once open, stays open
+    until the end, and reasoning that comes after it (a ``<think>`` block after visible text) is held
+    and sent as a thinking block after it."""
 
     def __init__(self) -> None:
         self.count = 0
         self.open: str | None = None
+        self.text_started = False
+        self.thinking_started = False
+        self.late_reasoning = ""
 
     def close(self) -> list[bytes]:
         if self.open is None:
@@ -70,6 +78,10 @@ class _Blocks:
                 else {"type": "text", "text": ""}
             )
             out += self.start(block)
+            if kind == "thinking":
+                self.thinking_started = True
+            else:
+                self.text_started = True
         delta = {"type": _DELTA[kind], kind: text}
         out.append(
             event("content_block_delta", {"type": "content_block_delta", "index": self.count - 1, "delta": delta})
@@ -77,7 +89,22 @@ class _Blocks:
         return out
 
     def add(self, delta: Delta) -> list[bytes]:
+        if self.text_started:
+            self.late_reasoning += delta.reasoning
+            return self._text("text", delta.content)
         return self._text("thinking", delta.reasoning) + self._text("text", delta.content)
+
+    def end_text(self) -> list[bytes]:
+        """Close the text block and send the reasoning held behind it. Reasoning after a thinking
+        block that already closed cannot join it: it goes in a second one, logged."""
+        out = self.close()
+        late, self.late_reasoning = self.late_reasoning, ""
+        if late:
+            if self.thinking_started:
+                log.warning("reasoning after the text block: sent as a second thinking block")
+            out += self._text("thinking", late)
+            out += self.close()
+        return out
 
     def tool_use(self, call: dict[str, Any]) -> list[bytes]:
         block = tool_use_block(call)
@@ -137,6 +164,7 @@ def _end(ctx: MessageContext, done: Finished, reply: ReplyStream, blocks: _Block
     out = blocks.add(reply.finish(msg.content, msg.reasoning_content))
     if reply.mismatch:
         log.warning("message %s: streamed %s differs from the stored one", msg.id, reply.mismatch)
+    out += blocks.end_text()
     calls = ctx.calls(msg)
     if not msg.content and not calls:  # as in the body: a reply without text or calls has an empty text block
         out += blocks.start({"type": "text", "text": ""})

@@ -62,6 +62,16 @@ class _Text:
         self.sent += out
         return out
 
+    def release(self) -> str:
+        """The channel has ended (another channel's text follows): text held as a possible start of a
+        stop string can no longer become one here, so it goes out; trailing whitespace stays held."""
+        if self.stopped or not self.held:
+            return ""
+        out = self.held.rstrip() if self.strip else self.held
+        self.held = self.held[len(out) :]
+        self.sent += out
+        return out
+
     def rest(self, final: str) -> str | None:
         """What ``final`` adds to the text sent; None when it does not begin with it."""
         if not final.startswith(self.sent):
@@ -94,6 +104,9 @@ class ReplyStream:
             if ch == CHANNEL_TOOL:
                 self._tool.append(text)
                 continue
+            if ch in (CHANNEL_CONTENT, CHANNEL_UNPARSED) and self.reasoning.held:
+                # reasoning is over: send what it held, so that it does not trail the content
+                delta.reasoning += self.reasoning.release()
             if ch == CHANNEL_UNPARSED:
                 delta.content += self.content.push("".join(self._tool) + text)
             elif ch not in (CHANNEL_CONTENT, CHANNEL_REASONING, CHANNEL_HIDDEN):

@@ -79,3 +79,15 @@ def test_text_only_and_reasoning_only() -> None:
     assert [b["type"] for b in _stream([[("Hi", C), (" there", C)]], "Hi there", None)] == ["text"]
     blocks = _stream([[("<think>", X), ("Hmm", R)]], "", "Hmm")
     assert [(b["type"], b.get("thinking")) for b in blocks] == [("thinking", "Hmm")]
+
+
+def test_reasoning_held_for_a_stop_string_goes_out_before_the_text() -> None:
+    # "E" may begin the stop string "END": held until the reasoning ends, then sent in its own block
+    reply, blocks = ReplyStream(["END"]), _Blocks()
+    chunks = blocks.add(reply.feed(["<think>", "Plan E"], X + R))
+    chunks += blocks.add(reply.feed(["</think>", "Go", "."], X + C + C))
+    chunks += blocks.add(reply.finish("Go.", "Plan E"))
+    chunks += blocks.end_text()
+    assert not reply.mismatch
+    out = _assemble(chunks)
+    assert [(b["type"], b.get("thinking", b.get("text"))) for b in out] == [("thinking", "Plan E"), ("text", "Go.")]

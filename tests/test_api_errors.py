@@ -125,6 +125,9 @@ def test_parent_of_wrong_role_or_unfinished_is_409(url: str, alice: dict[str, st
         headers=alice,
     )
     expect(resp, 409, "parent_not_complete")
+    # cancelled, not waited for: the stack is left idle for the next test
+    cancelled = httpx.post(f"{url}/chats/{chat['id']}/messages/{long['id']}/cancel", headers=alice)
+    assert cancelled.status_code == 200, cancelled.text
     events(url, f"/chats/{chat['id']}/messages/{long['id']}/events", alice)
 
 

@@ -24,10 +24,15 @@ def _vllm_python() -> Path:
 
 
 @pytest.fixture(scope="module")
-def contract_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def contract_model() -> Path:
+    """The untrained tiny model, built once into the shared cache: at a fixed path vLLM finds its
+    compiled graphs from an earlier run (at a fresh path it compiled them again, ~40 s)."""
     from worker.tiny import build_tiny_model
+    from worker.tiny.build import BUILD_VERSION
+    from worker.tiny.cache import build_cached, default_cache_dir
 
-    return Path(build_tiny_model(tmp_path_factory.mktemp("contract") / "tiny", train=False))
+    final = default_cache_dir() / "models" / f"contract-untrained-s0-v{BUILD_VERSION}"
+    return Path(build_cached(final, lambda out: build_tiny_model(out, train=False)))
 
 
 def _run_suite(python: Path | str, engine: str, model: Path, timeout: int, options: tuple[str, ...] = ()) -> None:
@@ -126,7 +131,8 @@ def test_vllm_worker_serves_a_chat(contract_model: Path, tmp_path: Path) -> None
         worker = subprocess.Popen(
             [str(python), "-m", "tokentrail", "worker", "--server-url", server.url, "--api-key", worker_key(settings),
              "--model", str(contract_model), "--served-model-name", "tiny", "--engine", "vllm",
-             "--max-model-len", "1024", "--gpu-memory-utilization", "0.2", "--max-parallel", "4"],
+             "--max-model-len", "1024", "--gpu-memory-utilization", "0.2", "--max-parallel", "4",
+             "--vllm-enforce-eager"],
             stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
         )  # fmt: skip
     try:

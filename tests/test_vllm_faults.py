@@ -78,6 +78,7 @@ def test_serve_model_with_vllm_serves_again_after_its_engine_core_is_killed(
             MODEL,
             "--max-model-len",
             "1024",
+            "--vllm-enforce-eager",
             "--max-parallel",
             "4",
         ],

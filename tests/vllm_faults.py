@@ -82,6 +82,7 @@ async def main(model: str, chunked: bool | None) -> int:
         max_num_seqs=4,
         max_num_batched_tokens=BUDGET,
         enable_chunked_prefill=chunked,
+        enforce_eager=True,  # what is tested is not compiled code; compiling costs ~35 s a start here
     )
     start = time.perf_counter()
     await engine.start()

@@ -42,6 +42,13 @@ VllmChunkedPrefill = Annotated[
         "request's generator after a partial prefill: it killed the engine), vLLM's default elsewhere.",
     ),
 ]
+VllmEnforceEager = Annotated[
+    bool,
+    typer.Option(
+        help="vllm: run the model eagerly, without torch.compile or CUDA graphs: the engine starts in seconds "
+        "rather than a minute or more, and its steps are slower (for tests, debugging, short-lived workers)."
+    ),
+]
 EngineMaxRestarts = Annotated[
     int,
     typer.Option(
@@ -83,6 +90,7 @@ def model_spec(
     tensor_parallel_size: int = 1,
     vllm_log_stats: bool = False,
     vllm_chunked_prefill: bool | None = None,
+    vllm_enforce_eager: bool = False,
     engine_max_restarts: int = 5,
     prompt_mode: str = "stitch",
     closer_policy: str = "keep",
@@ -108,7 +116,12 @@ def model_spec(
         closer_policy=cast("CloserPolicy", closer_policy),
         template_kwargs=_json_object(chat_template_kwargs) if chat_template_kwargs else {},
         vllm=VLLMOptions(
-            max_model_len, gpu_memory_utilization, tensor_parallel_size, vllm_log_stats, vllm_chunked_prefill
+            max_model_len,
+            gpu_memory_utilization,
+            tensor_parallel_size,
+            vllm_log_stats,
+            vllm_chunked_prefill,
+            vllm_enforce_eager,
         ),
         threads=threads,
         restart_policy=RestartPolicy(max_failed_restarts=engine_max_restarts),

@@ -47,6 +47,7 @@ def make_engine(
             max_num_seqs=max_parallel,
             log_stats=opts.log_stats,
             enable_chunked_prefill=opts.chunked_prefill,
+            enforce_eager=opts.enforce_eager,
         )
     raise ValueError(f"unknown engine {name!r}: hf or vllm")
 

@@ -18,6 +18,7 @@ class VLLMOptions:
     tensor_parallel_size: int = 1
     log_stats: bool = False  # vLLM's periodic stats log and metrics
     chunked_prefill: bool | None = None  # None: off on CPU (seeded requests), vLLM's default elsewhere
+    enforce_eager: bool = False  # no torch.compile / CUDA graphs: starts in seconds, steps slower
 
 
 @dataclass(frozen=True)

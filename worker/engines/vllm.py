@@ -68,6 +68,7 @@ class VLLMEngine:
         log_stats: bool = False,
         enable_chunked_prefill: bool | None = None,
         max_num_batched_tokens: int | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         self._path = model_path
         self._args: dict[str, Any] = {
@@ -89,6 +90,8 @@ class VLLMEngine:
             self._args["max_num_seqs"] = max_num_seqs
         if max_num_batched_tokens is not None:
             self._args["max_num_batched_tokens"] = max_num_batched_tokens
+        if enforce_eager:
+            self._args["enforce_eager"] = True
         self._chunked_prefill = enable_chunked_prefill  # None: off on CPU, vLLM's default elsewhere
         self._seed_unsafe = False  # seeded requests would kill this engine (chunked prefill on CPU)
         self._dead_error: type[BaseException] = _NeverRaised  # vLLM's EngineDeadError, once imported

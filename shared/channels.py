@@ -64,11 +64,12 @@ class _Text:
 
     def release(self) -> str:
         """The channel has ended (another channel's text follows): text held as a possible start of a
-        stop string can no longer become one here, so it goes out; trailing whitespace stays held."""
-        if self.stopped or not self.held:
+        stop string can no longer become one here, so it goes out; trailing whitespace, which the
+        stripped message drops, is dropped (nothing stays held: the next token does not look again)."""
+        if self.stopped:
             return ""
         out = self.held.rstrip() if self.strip else self.held
-        self.held = self.held[len(out) :]
+        self.held = ""
         self.sent += out
         return out
 

@@ -46,8 +46,7 @@ class _Blocks:
     def __init__(self) -> None:
         self.count = 0
         self.open: str | None = None
-        self.text_started = False
-        self.thinking_started = False
+        self.started: set[str] = set()  # the kinds of text block opened so far
         self.late_reasoning = ""
 
     def close(self) -> list[bytes]:
@@ -78,10 +77,7 @@ class _Blocks:
                 else {"type": "text", "text": ""}
             )
             out += self.start(block)
-            if kind == "thinking":
-                self.thinking_started = True
-            else:
-                self.text_started = True
+            self.started.add(kind)
         delta = {"type": _DELTA[kind], kind: text}
         out.append(
             event("content_block_delta", {"type": "content_block_delta", "index": self.count - 1, "delta": delta})
@@ -89,7 +85,7 @@ class _Blocks:
         return out
 
     def add(self, delta: Delta) -> list[bytes]:
-        if self.text_started:
+        if "text" in self.started:
             self.late_reasoning += delta.reasoning
             return self._text("text", delta.content)
         return self._text("thinking", delta.reasoning) + self._text("text", delta.content)
@@ -100,7 +96,7 @@ class _Blocks:
         out = self.close()
         late, self.late_reasoning = self.late_reasoning, ""
         if late:
-            if self.thinking_started:
+            if "thinking" in self.started:
                 log.warning("reasoning after the text block: sent as a second thinking block")
             out += self._text("thinking", late)
             out += self.close()

@@ -138,3 +138,31 @@ def test_rounds_alternate_the_arms_order_and_pool_each_points_windows(monkeypatc
     assert embedded.prompt_tokens_by_turn == [30, 40] and embedded.usage_by_turn == [3, 2]
     s = summary(embedded)
     assert s["tokens_per_s"] == round(1000 / 30, 1) and s["tokens_per_event"] == 2.0
+
+
+def test_later_turns_ttft_check_pools_turns_two_on_and_reports_the_worst_turn_apart() -> None:
+    """The TTFT done-when line compares one p50 over every turn from the second on; the worst single
+    turn's ratio is printed beside it as information (no verdict)."""
+    from benchmarks.pipeline.measure import Point
+    from benchmarks.pipeline.report import checks, ratios
+
+    def point(arm: str, by_turn: list[list[float]]) -> Point:
+        p = Point(arm, "openai", "agent", "natural", 8, turns=len(by_turn), wall_s=10.0, tokens=1000)
+        p.ttft_by_turn_s = by_turn
+        p.ttft_s = [t for turn in by_turn for t in turn]
+        return p
+
+    # turn 2 is slower than serve's, turn 3 faster: pooled over turns 2-3 it is faster
+    mine = point("embedded", [[0.5], [0.11, 0.11, 0.11], [0.05, 0.05, 0.05]])
+    serve = point("vllm-serve", [[0.1], [0.10, 0.10, 0.10], [0.20, 0.20, 0.20]])
+    by_check = {c["check"]: c for c in checks([mine, serve], "vllm")}
+    pooled = by_check["embedded/openai TTFT p50 of turns 2..N ÷ vllm serve's"]
+    assert pooled["value"] == pytest.approx(110 / 200, abs=1e-3) and pooled["met"] is True
+    worst = by_check["embedded/openai TTFT p50 ÷ vllm serve's, worst single turn of 2..N"]
+    assert worst["value"] == pytest.approx(1.1) and worst["met"] is None
+    (row,) = ratios([mine, serve])  # the tokentrail point
+    assert row["ttft_p50_later_turns_x_vllm_serve"] == pytest.approx(0.55, abs=1e-3)
+
+    slower = point("embedded", [[0.1], [0.3, 0.3, 0.3], [0.3, 0.3, 0.3]])
+    by_check = {c["check"]: c for c in checks([slower, serve], "vllm")}
+    assert by_check["embedded/openai TTFT p50 of turns 2..N ÷ vllm serve's"]["met"] is False

@@ -347,6 +347,9 @@ def summary(p: Point) -> dict[str, Any]:
         "end_p50_ms": ms(pct(p.tails_s, 0.5)),
         "tokens_per_event": round(p.tokens / p.events, 2) if p.events else None,
         "ttft_p50_ms_by_turn": [ms(pct(p.ttft_by_turn_s[k], 0.5)) for k in range(turns)],
+        # every turn from the second on, pooled: one p50 over all of them (a per-turn p50 rests on a few
+        # dozen samples at most; the worst of seven such ratios exceeds 1.0 even between equal arms)
+        "ttft_p50_later_turns_ms": ms(pct([t for later in p.ttft_by_turn_s[1:] for t in later], 0.5)),
         "counts": p.counts,
         "prompt_tokens": sum(p.prompt_tokens_by_turn),
         "prompt_tokens_mean_by_turn": [

@@ -70,7 +70,7 @@ from benchmarks.pipeline.conversation import Workload
 from benchmarks.pipeline.measure import CpuMeter, Point, Role, pooled, summary
 from benchmarks.pipeline.profile import Profiler
 from benchmarks.pipeline.report import checks, plot, print_report, ratios
-from benchmarks.pipeline.stack import engine_process, postgres_and_redis, tokentrail_stack, vllm_serve
+from benchmarks.pipeline.stack import engine_dtype, engine_process, postgres_and_redis, tokentrail_stack, vllm_serve
 from benchmarks.progress import say
 
 ARMS = ("engine", "embedded", "one-process", "redis", "vllm-serve")
@@ -183,7 +183,7 @@ def _run_arm(
         say("vllm-serve: skipped (it runs with --engine vllm)")
         return []
     say("vllm serve...")
-    with vllm_serve(sub, model_dir, max(levels)) as (url, pid):
+    with vllm_serve(sub, model_dir, max(levels), engine_dtype(args.dtype), args.serve_args) as (url, pid):
         meter = CpuMeter([Role("vllm_api", pid, "engine_core")], client=True, profiler=profiler)
         return asyncio.run(drive_vllm_serve(url, meter, loads, levels, args.duration))
 
@@ -210,7 +210,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--model-dir", help="default: the trained tiny chatml model (built once, cached)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="hf: where the engine runs (both arms)")
     ap.add_argument(
-        "--dtype", choices=["float32", "bfloat16", "float16"], help="the engine's dtype (default: hf float32)"
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="every arm's engine dtype, vllm serve's too (default: tokentrail's worker's, float32)",
     )
     ap.add_argument("--ceiling", action="store_true", help="the pipeline's own ceiling with a synthetic engine")
     ap.add_argument("--readers", type=int, default=4, help="--ceiling: SSE readers per message")
@@ -222,6 +224,12 @@ def parser() -> argparse.ArgumentParser:
         type=shlex.split,
         default=[],
         help="more options for tokentrail's worker, one string: --engine-args='--vllm-chunked-prefill'",
+    )
+    ap.add_argument(
+        "--serve-args",
+        type=shlex.split,
+        default=[],
+        help="more options for the vllm-serve arm, one string: --serve-args='--no-enable-chunked-prefill'",
     )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--json-out", type=Path, help="also write the --json document to this file (any output mode)")

@@ -15,6 +15,7 @@ from typing import Any
 
 from benchmarks.pipeline.conversation import Dialogue, Workload, closed_loop
 from benchmarks.pipeline.measure import Arrivals, CpuMeter, Point, Role, Window
+from benchmarks.pipeline.stack import engine_dtype
 
 
 async def engine_points(
@@ -39,7 +40,7 @@ async def engine_points(
             max_model_len=2048,
             gpu_memory_utilization=0.2,
             max_num_seqs=max(levels),
-            dtype=dtype or "auto",  # vLLM's own default unless --dtype
+            dtype=engine_dtype(dtype),
         )
     else:
         from worker.engines.hf import HFEngine

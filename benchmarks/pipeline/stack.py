@@ -23,6 +23,16 @@ MAX_MODEL_LEN = 2048
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
+def engine_dtype(asked: str | None) -> str:
+    """The dtype of every vLLM arm: ``--dtype``, else the one tokentrail's worker runs when given none.
+    ``vllm serve``'s own default (auto: bfloat16 for this float32 model on CPU) would make the arms
+    compare two precisions: bfloat16 is faster than float32 on CPUs with bfloat16 instructions and far
+    slower on those without."""
+    from worker.spec import ModelSpec
+
+    return asked or ModelSpec(model="-").dtype
+
+
 @dataclass(frozen=True)
 class Stack:
     url: str
@@ -120,14 +130,18 @@ def postgres_and_redis() -> Iterator[dict[str, str]]:
 
 
 @contextlib.contextmanager
-def vllm_serve(work: Path, model_dir: str, max_seqs: int) -> Iterator[tuple[str, int]]:
-    """``vllm serve`` on the model as the vLLM worker runs it (same context, KV space, prefix caching on
-    as vLLM's default), ``--max-num-seqs`` = the highest concurrency, prompt-token details in usage so
-    that cache hits compare. Its per-request access log is off (tokentrail's server logs warnings only)."""
+def vllm_serve(
+    work: Path, model_dir: str, max_seqs: int, dtype: str, extra: Sequence[str] = ()
+) -> Iterator[tuple[str, int]]:
+    """``vllm serve`` on the model as the vLLM worker runs it (same context, KV space, dtype, prefix
+    caching on as vLLM's default), ``--max-num-seqs`` = the highest concurrency, prompt-token details in usage so
+    that cache hits compare. Its per-request access log is off (tokentrail's server logs warnings only).
+    ``extra``: more of its options (``--serve-args``)."""
     port = free_port()
     args = ["--model", model_dir, "--served-model-name", MODEL, "--port", str(port),
             "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(max_seqs), "--gpu-memory-utilization", "0.2",
-            "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]  # fmt: skip
+            "--dtype", dtype,
+            "--enable-prompt-tokens-details", "--disable-uvicorn-access-log", *extra]  # fmt: skip
     program = (vllm_python(), "-m", "vllm.entrypoints.openai.api_server")
     proc = spawn(args, program=program, output=work / "vllm-serve.log", env=VLLM_ENV)
     url = f"http://127.0.0.1:{port}"

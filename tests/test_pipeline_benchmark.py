@@ -166,3 +166,16 @@ def test_later_turns_ttft_check_pools_turns_two_on_and_reports_the_worst_turn_ap
     slower = point("embedded", [[0.1], [0.3, 0.3, 0.3], [0.3, 0.3, 0.3]])
     by_check = {c["check"]: c for c in checks([slower, serve], "vllm")}
     assert by_check["embedded/openai TTFT p50 of turns 2..N ÷ vllm serve's"]["met"] is False
+
+
+def test_vllm_arms_run_the_dtype_of_tokentrails_worker() -> None:
+    """``vllm serve`` and the engine-alone arm get the dtype ``tokentrail worker`` runs when ``--dtype``
+    is not given: serve's own default (bfloat16 for a float32 model on CPU) would compare two
+    precisions' speeds."""
+    import inspect
+
+    from benchmarks.pipeline.stack import engine_dtype
+    from worker.cli import worker
+
+    assert engine_dtype("bfloat16") == "bfloat16"
+    assert engine_dtype(None) == inspect.signature(worker).parameters["dtype"].default == "float32"

@@ -13,6 +13,7 @@ import typer
 
 from server import cli as srv
 from worker import engine_options as opt
+from worker.spec import DEFAULT_DTYPE
 
 LocalDrainTimeout = Annotated[
     float | None,
@@ -41,7 +42,7 @@ def serve(
     max_parallel: opt.MaxParallel = 8,
     device: opt.Device = "cpu",
     threads: opt.Threads = None,
-    dtype: opt.Dtype = "float32",
+    dtype: opt.Dtype = DEFAULT_DTYPE,
     served_model_name: opt.ServedModelName = None,
     max_model_len: opt.MaxModelLen = None,
     gpu_memory_utilization: opt.GpuMemoryUtilization = 0.9,

@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import typer
 
 from worker import engine_options as opt
+from worker.spec import DEFAULT_DTYPE
 
 ENGINE_FAILED_EXIT = 3  # the engine could not be restarted (worker.engine_health)
 
@@ -36,7 +37,7 @@ def worker(
         float,
         typer.Option(min=0, help="On SIGTERM: seconds to finish messages in hand before handing them back."),
     ] = 60.0,
-    dtype: opt.Dtype = "float32",
+    dtype: opt.Dtype = DEFAULT_DTYPE,
     served_model_name: opt.ServedModelName = None,
     max_model_len: opt.MaxModelLen = None,
     gpu_memory_utilization: opt.GpuMemoryUtilization = 0.9,

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 
-from worker.spec import ModelSpec, VLLMOptions
+from worker.spec import DEFAULT_DTYPE, ModelSpec, VLLMOptions
 
 if TYPE_CHECKING:
     from worker.prompt_builder import CloserPolicy, PromptMode
@@ -83,7 +83,7 @@ def model_spec(
     max_parallel: int = 8,
     device: str = "cpu",
     threads: int | None = None,
-    dtype: str = "float32",
+    dtype: str = DEFAULT_DTYPE,
     served_model_name: str | None = None,
     max_model_len: int | None = None,
     gpu_memory_utilization: float = 0.9,

@@ -10,6 +10,9 @@ if TYPE_CHECKING:
     from worker.engine_health import RestartPolicy
     from worker.prompt_builder import CloserPolicy, PromptMode
 
+# both engines' dtype when none is given (vllm serve's default is auto: see README's vLLM section)
+DEFAULT_DTYPE = "float32"
+
 
 @dataclass(frozen=True)
 class VLLMOptions:
@@ -29,7 +32,7 @@ class ModelSpec:
     engine: str = "hf"
     max_parallel: int = 8
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = DEFAULT_DTYPE
     served_model_name: str | None = None
     prompt_mode: PromptMode = "stitch"
     closer_policy: CloserPolicy = "keep"

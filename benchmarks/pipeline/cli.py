@@ -286,8 +286,7 @@ def main() -> int:
         points = run_ceiling(model_dir, _levels(args), tokens, args.duration, args.readers)
     else:
         where = f" on {args.device}" if args.engine == "hf" else ""
-        dtype = engine_dtype(args.dtype) if args.engine == "vllm" else args.dtype or "float32"
-        say(f"run seed {args.run_seed} (--run-seed); engine {args.engine}{where}, dtype {dtype}")
+        say(f"run seed {args.run_seed} (--run-seed); engine {args.engine}{where}, dtype {engine_dtype(args.dtype)}")
         points = run(args)
     if args.json or args.json_out:
         document = json.dumps(

@@ -45,7 +45,7 @@ async def engine_points(
     else:
         from worker.engines.hf import HFEngine
 
-        engine = HFEngine(model_dir, max_batch_size=max(levels), device=device, dtype=dtype or "float32")
+        engine = HFEngine(model_dir, max_batch_size=max(levels), device=device, dtype=engine_dtype(dtype))
     fmt = ChatFormat.load(model_dir)
     stops = set(fmt.stop_token_ids)
     rendered: dict[str, list[int]] = {}  # single-turn prompts, rendered once

@@ -97,9 +97,9 @@ def checks(points: Sequence[Point], engine: str) -> list[dict[str, Any]]:
             else:
                 add("embedded/openai (vLLM worker) tok/s ÷ vllm serve", key, x, ">= 1.0", x is not None and x >= 1.0)
                 mine, theirs = s.get("ttft_p50_later_turns_ms"), serve.get("ttft_p50_later_turns_ms")
-                x = _ratio(mine, theirs)
-                met = x is not None and x <= 1.0
-                add("embedded/openai TTFT p50 of turns 2..N ÷ vllm serve's", key, x, "<= 1.0", met)
+                later = _ratio(mine, theirs)
+                met = later is not None and later <= 1.0
+                add("embedded/openai TTFT p50 of turns 2..N ÷ vllm serve's", key, later, "<= 1.0", met)
                 pairs = list(zip(s["ttft_p50_ms_by_turn"], serve["ttft_p50_ms_by_turn"], strict=False))[1:]
                 worst = max((_ratio(a, b) or 0.0 for a, b in pairs if a is not None and b is not None), default=None)
                 add("embedded/openai TTFT p50 ÷ vllm serve's, worst single turn of 2..N", key, worst, "information",

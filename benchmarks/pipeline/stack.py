@@ -24,13 +24,13 @@ VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 def engine_dtype(asked: str | None) -> str:
-    """The dtype of every vLLM arm: ``--dtype``, else the one tokentrail's worker runs when given none.
+    """The dtype of every arm: ``--dtype``, else the one tokentrail's worker runs when given none.
     ``vllm serve``'s own default (auto: bfloat16 for this float32 model on CPU) would make the arms
     compare two precisions: bfloat16 is faster than float32 on CPUs with bfloat16 instructions and far
     slower on those without."""
-    from worker.spec import ModelSpec
+    from worker.spec import DEFAULT_DTYPE
 
-    return asked or ModelSpec(model="-").dtype
+    return asked or DEFAULT_DTYPE
 
 
 @dataclass(frozen=True)

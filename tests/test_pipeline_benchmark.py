@@ -3,6 +3,7 @@ the figures are printed by CI and the README; this keeps the benchmark from rott
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -74,6 +75,46 @@ def test_ceiling_mode_fans_out_synthetic_tokens_to_every_reader(tiny_model_dir: 
     [point] = data["points"]
     assert point["arm"] == "synthetic/oa" and point["tokens_per_s"] > 0
     assert point["server_cpu_ms_per_token"] > 0
+
+
+def test_synthetic_engine_arms_measure_tokentrails_own_cpu(tiny_model_dir: Path) -> None:
+    """``--engine synthetic``: tokentrail's own commands (server + worker, and ``serve --model``) with the
+    step clock in place of the model; agent loops end on the template's end token (natural stops)."""
+    data = _run(
+        "--model-dir", str(tiny_model_dir), "--engine", "synthetic", "--arms", "engine,embedded,one-process",
+        "--api", "openai", "--workload", "agent", "--turns", "2", "--stop", "natural", "--concurrency", "2",
+        "--duration", "1.5", "--tokens", "12", "--step-ms", "4", "--burn", "0.1",
+    )  # fmt: skip
+    assert data["engine"] == "synthetic" and data["burn"] == 0.1
+    points = {p["arm"]: p for p in data["points"]}
+    assert set(points) == {"embedded/openai", "one-process/openai"}  # the engine arm is skipped
+    for p in points.values():
+        assert p["errors"] == 0 and p["requests"] > 0 and p["server_cpu_ms_per_token"] > 0
+        assert p["counts"].get("prompt_method:stitch/masked", 0) > 0  # second turns were stitched
+    assert points["embedded/openai"]["worker_cpu_ms_per_token"] > 0
+
+
+async def test_step_clock_gives_every_running_request_a_token_per_step() -> None:
+    from benchmarks.pipeline.synthetic import StepClockEngine
+    from worker.engines.contract import GenerationParams
+
+    engine = StepClockEngine([5, 6, 7], step_s=0.001)
+    await engine.start()
+    try:
+
+        async def reply(rid: str, params: GenerationParams) -> list[Any]:
+            return [step async for step in engine.generate(rid, [1, 2, 3], params)]
+
+        fixed, natural = await asyncio.gather(
+            reply("a", GenerationParams(max_new_tokens=6)),
+            reply("b", GenerationParams(max_new_tokens=40, stop_token_ids=(99,))),
+        )
+    finally:
+        await engine.close()
+    assert [len(s.token_ids) for s in fixed] == [1] * 6 and fixed[-1].finish_reason == "length"
+    assert fixed[0].prompt_token_ids == [1, 2, 3] and fixed[1].prompt_token_ids is None
+    assert 10 <= len(natural) <= 40 and natural[-1].token_ids == [99] and natural[-1].finish_reason == "stop"
+    assert natural[-1].stop_reason == 99 and all(s.token_ids[0] in (5, 6, 7) for s in natural[:-1])
 
 
 def test_profile_summary_charges_samples_to_the_innermost_known_library(tmp_path: Path) -> None:

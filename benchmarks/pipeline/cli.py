@@ -58,8 +58,10 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import shlex
+import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -70,7 +72,17 @@ from benchmarks.pipeline.conversation import Workload
 from benchmarks.pipeline.measure import CpuMeter, Point, Role, pooled, summary
 from benchmarks.pipeline.profile import Profiler
 from benchmarks.pipeline.report import checks, plot, print_report, ratios
-from benchmarks.pipeline.stack import engine_dtype, engine_process, postgres_and_redis, tokentrail_stack, vllm_serve
+from benchmarks.pipeline.stack import (
+    SYNTHETIC_FLAG,
+    burn,
+    cpu_burner,
+    engine_dtype,
+    engine_process,
+    postgres_and_redis,
+    tokentrail_stack,
+    vllm_serve,
+)
+from benchmarks.pipeline.synthetic import DEFAULT_STEP_MS, STEP_MS_ENV
 from benchmarks.progress import say
 
 ARMS = ("engine", "embedded", "one-process", "redis", "vllm-serve")
@@ -119,9 +131,9 @@ def run(args: argparse.Namespace) -> list[Point]:
     apis = _list(args.api, APIS, "--api")
     loads = workloads(args)
     model_dir = args.model_dir or prepare_model("chatml")
-    profiler = Profiler(args.profile) if args.profile else None
+    profiler = Profiler(args.profile, rate=args.profile_rate) if args.profile else None
     points: list[Point] = []
-    with tempfile.TemporaryDirectory(prefix="tt-pipeline-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="tt-pipeline-") as tmp, cpu_burner(args.burn):
         for r in range(args.rounds):
             order = arms if r % 2 == 0 else arms[::-1]
             if args.rounds > 1:
@@ -146,6 +158,9 @@ def _run_arm(
     levels = _levels(args)
     engine_args = [*_engine_options(args), *args.engine_args]  # the worker's: --device, --dtype, then the user's
     if arm == "engine":
+        if args.engine == "synthetic":
+            say("engine alone: skipped (the synthetic engine costs next to nothing alone)")
+            return []
         say(f"engine alone ({args.engine})...")
         return engine_process(args.engine, _child_args(args, model_dir), sub)
     if arm == "one-process":
@@ -190,7 +205,12 @@ def _run_arm(
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engine", choices=["hf", "vllm"], default="hf")
+    ap.add_argument(
+        "--engine",
+        choices=["hf", "vllm", "synthetic"],
+        default="hf",
+        help="synthetic: a benchmark-only step clock stands in for the model (tokentrail's own CPU per token)",
+    )
     ap.add_argument("--arms", default="engine,embedded,redis,vllm-serve", help="run in this order, one at a time")
     ap.add_argument("--api", default="oa", help="the tokentrail arms' front door(s): oa, openai (comma-separated)")
     ap.add_argument("--workload", default="single", help="single, agent (comma-separated)")
@@ -214,11 +234,24 @@ def parser() -> argparse.ArgumentParser:
         choices=["float32", "bfloat16", "float16"],
         help="every arm's engine dtype, vllm serve's too (default: tokentrail's worker's, float32)",
     )
+    ap.add_argument(
+        "--step-ms",
+        type=float,
+        default=DEFAULT_STEP_MS,
+        help="--engine synthetic: milliseconds per engine step (every running reply gets a token per step)",
+    )
+    ap.add_argument(
+        "--burn",
+        type=float,
+        default=0.0,
+        help="keep this fraction of one core busy beside every arm (0-1): what extra CPU costs an arm here",
+    )
     ap.add_argument("--ceiling", action="store_true", help="the pipeline's own ceiling with a synthetic engine")
     ap.add_argument("--readers", type=int, default=4, help="--ceiling: SSE readers per message")
     ap.add_argument("--prompt-build", action="store_true", help="time prompt builds after 1k / 8k / 32k tokens")
     ap.add_argument("--idle-streams", type=int, default=0, help="server memory per connected SSE reader (e.g. 5000)")
     ap.add_argument("--profile", type=Path, help="py-spy each process over each window; summaries + raw stacks here")
+    ap.add_argument("--profile-rate", type=int, default=100, help="--profile: samples per second")
     ap.add_argument(
         "--engine-args",
         type=shlex.split,
@@ -236,6 +269,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--plot", type=Path, help="write a PNG of tokens/s and TTFT against concurrency (matplotlib)")
     ap.add_argument("--engine-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--synthetic-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--burn-child", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--server-url", help=argparse.SUPPRESS)
     ap.add_argument("--api-key", help=argparse.SUPPRESS)
     ap.add_argument("--capacity", type=int, default=32, help=argparse.SUPPRESS)
@@ -244,11 +278,19 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main() -> int:
+    if sys.argv[1:2] == [SYNTHETIC_FLAG]:  # a child: a tokentrail command with the step-clock engine
+        from benchmarks.pipeline.synthetic import run_tokentrail
+
+        run_tokentrail(sys.argv[2:])
+        return 0
     args = parser().parse_args()
+    os.environ[STEP_MS_ENV] = str(args.step_ms)  # the synthetic engine's children read it
     if args.run_seed is None:
         args.run_seed = random.SystemRandom().randrange(2**31)
     if args.rounds < 1:
         raise SystemExit("--rounds: at least 1")
+    if not 0 <= args.burn < 1:
+        raise SystemExit("--burn: a fraction of one core, at least 0 and below 1")
     if args.rounds > 1 and args.profile:
         raise SystemExit("--profile takes one round (each round's samples would overwrite the last)")
     if args.engine_child:
@@ -260,6 +302,9 @@ def main() -> int:
             )
         )
         print(json.dumps([asdict(p) for p in points]))
+        return 0
+    if args.burn_child is not None:
+        burn(args.burn_child)
         return 0
     if args.synthetic_worker:
         from benchmarks.pipeline.modes import run_synthetic_worker
@@ -287,6 +332,8 @@ def main() -> int:
     else:
         where = f" on {args.device}" if args.engine == "hf" else ""
         say(f"run seed {args.run_seed} (--run-seed); engine {args.engine}{where}, dtype {engine_dtype(args.dtype)}")
+        if args.burn:
+            say(f"a CPU burner keeps {args.burn:.0%} of one core busy beside every arm (--burn)")
         points = run(args)
     if args.json or args.json_out:
         document = json.dumps(
@@ -296,6 +343,7 @@ def main() -> int:
                 "dtype": args.dtype,
                 "run_seed": args.run_seed,
                 "rounds": args.rounds,
+                "burn": args.burn,
                 "points": [summary(p) for p in points],
                 "ratios": ratios(points),
                 "checks": checks(points, args.engine),

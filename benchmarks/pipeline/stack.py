@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from tokentrail.launcher import answers, free_port, offers, spawn, stop, wait_re
 ENTRY = Path(__file__).resolve().parent.parent / "pipeline.py"  # the command, for child processes
 MAX_MODEL_LEN = 2048
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+SYNTHETIC_FLAG = "--synthetic-tokentrail"  # this script as a tokentrail command with the step-clock engine
 
 
 def engine_dtype(asked: str | None) -> str:
@@ -70,8 +72,10 @@ def tokentrail_stack(
     # the engine's options, the same for a worker process and for serve --model
     program, extra = None, None
     model_args = ["--model", model_dir, "--served-model-name", MODEL, "--max-parallel", str(max_parallel),
-                  "--engine", engine, *engine_args]  # fmt: skip
-    if engine == "vllm":
+                  "--engine", "hf" if engine == "synthetic" else engine, *engine_args]  # fmt: skip
+    if engine == "synthetic":  # tokentrail's own commands, the model replaced by the step clock
+        program = (sys.executable, str(ENTRY), SYNTHETIC_FLAG)
+    elif engine == "vllm":
         program, extra = (vllm_python(), "-m", "tokentrail"), VLLM_ENV
         model_args += ["--max-model-len", str(MAX_MODEL_LEN), "--gpu-memory-utilization", "0.2"]
     load_s = 600 if engine == "vllm" else 180
@@ -88,7 +92,7 @@ def tokentrail_stack(
         if one_process:
             server = spawn([*serve, *model_args], program=program, output=work / "server.log", env=extra)
         else:
-            server = spawn(serve, output=work / "server.log")
+            server = spawn(serve, program=program if engine == "synthetic" else None, output=work / "server.log")
         procs = {"server": server}
         try:
             wait_ready(lambda: answers(url), procs, "server", load_s if one_process else 180, logs=work)
@@ -150,6 +154,30 @@ def vllm_serve(
         yield url, proc.pid
     finally:
         stop(proc, "vllm serve")
+
+
+@contextlib.contextmanager
+def cpu_burner(fraction: float) -> Iterator[None]:
+    """``--burn``: a process beside the arms that keeps ``fraction`` of one core busy (a calibration: on this
+    machine every process shares two cores with the engine, so any CPU spent beside it costs it)."""
+    if fraction <= 0:
+        yield
+        return
+    proc = subprocess.Popen([sys.executable, str(ENTRY), "--burn-child", str(fraction)])
+    try:
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def burn(fraction: float, period_s: float = 0.004) -> None:
+    """Spin ``fraction`` of every ``period_s``, sleep the rest, until killed."""
+    while True:
+        start = time.perf_counter()
+        while time.perf_counter() - start < period_s * fraction:
+            pass
+        time.sleep(period_s * (1 - fraction))
 
 
 def engine_process(engine: str, child_args: list[str], work: Path) -> list[Point]:

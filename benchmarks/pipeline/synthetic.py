@@ -21,6 +21,7 @@ import asyncio
 import os
 import random
 import sys
+import zlib
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -95,7 +96,7 @@ class StepClockEngine:
     async def generate(self, request_id: str, prompt_ids: list[int], params: Any) -> AsyncIterator[Any]:
         n = max(1, int(params.max_new_tokens))
         stops = list(params.stop_token_ids)
-        seed = hash(request_id) & 0xFFFFFFFF
+        seed = zlib.crc32(request_id.encode())  # the same lengths for the same request ids, run to run
         length = random.Random(seed).randint(max(1, n // 4), n) if stops else n
         req = _Request(list(prompt_ids), length, stops[0] if stops else None, seed)
         self._running[request_id] = req

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import warnings
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ from transformers.generation.logits_process import (
 )
 
 from worker.engines.contract import EngineError, GenerationParams, TokenStep
-from worker.engines.hf import HFEngine
+from worker.engines.hf import HFEngine, _cache_argument
 from worker.sampling import gather_logprobs, presence_mask, process_logits, teacher_forced_logprobs
 
 VOCAB = 512
@@ -289,6 +290,49 @@ async def test_consumer_leaving_removes_request(engine: HFEngine) -> None:
         await asyncio.sleep(0.01)
     assert engine.batch_size == 0
     assert engine.stats.tokens_generated < 50
+
+
+async def test_no_warnings_from_loading_and_batched_decoding(model_dir: Path) -> None:
+    """The engine passes transformers only current arguments (the KV cache as ``cache``, not the deprecated
+    ``past_key_values``): no FutureWarning or other warning, which a worker would print at start-up."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eng = HFEngine(str(model_dir))
+        await eng.start()
+        try:
+            first = asyncio.Event()
+            early = asyncio.create_task(collect(eng, "early", prompt_of(7), GenerationParams(12, seed=1), first))
+            await first.wait()  # the others join a batch that is decoding: prefill, merge, batched decode
+            await asyncio.gather(
+                early,
+                *(collect(eng, f"r{i}", prompt_of(3 + 5 * i, salt=i), GenerationParams(6, seed=i)) for i in range(2)),
+            )
+        finally:
+            await eng.close()
+    assert eng.stats.max_batch_size_seen >= 2
+    # ResourceWarnings come from whatever the garbage collector happens to finalize meanwhile.
+    shown = [
+        f"{w.filename}:{w.lineno}: {w.category.__name__}: {w.message}"
+        for w in caught
+        if w.category is not ResourceWarning
+    ]
+    assert not shown, shown
+
+
+def test_cache_argument_follows_the_forward_signature() -> None:
+    class Current:
+        def forward(self, input_ids: object = None, cache: object = None, **kwargs: object) -> None: ...
+
+    class Legacy:  # transformers before the rename, and remote-code models
+        def forward(self, input_ids: object = None, past_key_values: object = None, **kwargs: object) -> None: ...
+
+    class Neither:  # would swallow a cache in **kwargs and ignore it
+        def forward(self, input_ids: object = None, **kwargs: object) -> None: ...
+
+    assert _cache_argument(Current().forward) == "cache"
+    assert _cache_argument(Legacy().forward) == "past_key_values"
+    with pytest.raises(RuntimeError, match="neither"):
+        _cache_argument(Neither().forward)
 
 
 async def test_context_limits_and_validation(model_dir: Path) -> None:

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import os
 import secrets
 from collections import deque
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -125,6 +126,7 @@ class HFEngine:
         )
         self.stats = HFEngineStats()
         self._model: PreTrainedModel | None = None
+        self._cache_arg = "cache"  # the forward argument that takes the KV cache (set by _load)
         self._vocab = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
         self._requests: dict[str, _Request] = {}
@@ -160,12 +162,16 @@ class HFEngine:
         # Plain nn.Module methods: transformers' wrappers of `to`/`eval` are opaque to type checkers.
         torch.nn.Module.to(model, self._device)
         torch.nn.Module.eval(model)
-        # Fail at start, not on the first request, if the model's cache is not plain attention KV.
+        self._cache_arg = _cache_argument(model.forward)
+        # Fail at start, not on the first request, if the model's cache is not plain attention KV, or if
+        # the model ignored the cache it was given (it would then attend to nothing but the new token).
         with torch.inference_mode():
             cache = DynamicCache()
             probe = torch.zeros((1, 1), dtype=torch.long, device=self._device)
-            model(input_ids=probe, past_key_values=cache, use_cache=True)
+            model(input_ids=probe, use_cache=True, **{self._cache_arg: cache})
             _kv_layers(cache)
+            if cache.get_seq_length() != 1:
+                raise RuntimeError(f"the model did not fill the KV cache passed as {self._cache_arg!r}")
         self._model = model
         self._vocab = int(model.config.get_text_config(decoder=True).vocab_size)
 
@@ -331,9 +337,9 @@ class HFEngine:
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=position_ids,
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,  # only the next-token logits: no [batch, seq, vocab] tensor at prefill
+            **{self._cache_arg: cache},
         )
         self.stats.forward_passes += 1
         logits: torch.Tensor = out.logits[:, -1, :].float()
@@ -405,6 +411,17 @@ def _quiet_loading() -> Iterator[None]:
     finally:
         if enabled:
             hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
+
+
+def _cache_argument(forward: Callable[..., object]) -> str:
+    """The name under which a model's forward takes the KV cache: ``cache`` since transformers renamed
+    ``past_key_values`` (passing the old name warns ``FutureWarning`` on every step, and it goes away in
+    5.40), ``past_key_values`` in earlier releases and in remote-code models that still use it."""
+    parameters = inspect.signature(forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in parameters:
+            return name
+    raise RuntimeError(f"{forward.__qualname__} takes neither `cache` nor `past_key_values`")
 
 
 def _kv_layers(cache: DynamicCache) -> list[tuple[DynamicLayer, torch.Tensor, torch.Tensor]]:

@@ -17,62 +17,78 @@ def default_data_dir() -> Path:
 
 
 class ServerSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="TOKENTRAIL_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="TOKENTRAIL_", extra="ignore", use_attribute_docstrings=True)
 
     host: str = "127.0.0.1"
+    """Address the HTTP server binds."""
     port: int = 8000
+    """Port the HTTP server binds."""
     data_dir: Path = Field(default_factory=default_data_dir)
-    # None: a SQLite file in data_dir (the embedded default).
+    """Embedded mode's SQLite file and token-signing secret live here."""
     database_url: str | None = None
-    # PostgreSQL connections a server process keeps open, and how many more it opens under a burst
-    # (closed again after use). Size max_connections above replicas x (pool + overflow).
+    """SQLAlchemy URL (``postgresql+asyncpg://...`` in production); unset: a SQLite file in data_dir."""
     db_pool_size: int = Field(default=32, ge=1)
+    """PostgreSQL connections a server process keeps open. Size max_connections above replicas x (pool + overflow)."""
     db_max_overflow: int = Field(default=8, ge=0)
-    # None: in-process queue and token fan-out (one server process).
+    """PostgreSQL connections opened beyond the pool under a burst (closed again after use)."""
     redis_url: str | None = None
-    # None: on in embedded mode (no Redis), off otherwise.
+    """Redis URL: the work queue, token streams and rate limits shared by every server process; unset: in-process
+    queue and token fan-out (one server process)."""
     allow_debug_auth: bool | None = None
-    # Signs access tokens. Required (and no placeholder) with Redis; embedded mode keeps one in data_dir.
+    """OA's debug login (any user name, no password); unset: on in embedded mode, off with Redis."""
     auth_secret: str | None = None
+    """Signs access tokens. Required (16+ characters, no placeholder) with Redis; embedded mode keeps one in
+    data_dir."""
     access_token_minutes: int = 60 * 24
+    """Lifetime of an access token from the debug login."""
     refresh_token_days: int = 30
-    migrate_on_start: bool | None = None  # None: only in embedded mode
+    """Lifetime of a refresh token."""
+    migrate_on_start: bool | None = None
+    """Apply the Alembic migrations at start; unset: only on SQLite (run ``tokentrail db upgrade`` for PostgreSQL)."""
 
     max_queue_size: int = 1000
-    # Fair load (server/chats/admission.py): generations per user per minute (0: no limit) and burst, and
-    # the share of a model's queue one user's open generations may take.
+    """Queued generations per model; beyond it requests get 503 queue_full with Retry-After."""
     rate_limit_per_minute: int = 600
+    """Generations a user may ask for per minute, counted across server processes (0: no limit)."""
     rate_limit_burst: int = 60
+    """Generations a user may ask for at once before the per-minute rate applies."""
     user_queue_share: float = Field(default=0.5, gt=0.0, le=1.0)
+    """Share of a model's queue one user's open (pending or running) generations may take (429 beyond it)."""
     max_attempts: int = 3
-    # Cache-aware routing (server/workers/routing.py): a turn waits up to route_wait_s in the lane of the
-    # worker that holds its prefix before any worker of the model takes it. auto: for engines with a
-    # prefix cache (vLLM); on: for every engine; off: every turn to any worker.
+    """Attempts failed by a worker's fault after which a message fails with too_many_attempts."""
     routing: Literal["auto", "on", "off"] = "auto"
+    """Cache-aware routing: auto for engines with a prefix cache (vLLM), on for every engine, off: any worker."""
     route_wait_s: float = Field(default=0.5, ge=0.0)
-    # a message generating on engine_poison_deaths engines that died fails (engine_poison_message)
+    """How long a turn waits for the worker that holds its prefix before any worker of the model takes it."""
     engine_poison_deaths: int = Field(default=3, ge=1)
+    """A message that was in this many engines when they died fails with engine_poison_message."""
     pending_event_interval_s: float = 1.0
+    """Seconds between SSE ``pending`` events (queue position) while a message waits."""
     worker_heartbeat_interval_s: float = 5.0
+    """Seconds between heartbeats the server sends each worker."""
     worker_timeout_s: float = 20.0
-    # A claimed work item untouched this long belongs to a dead server process and is reclaimed.
+    """A worker silent this long is dropped and its work requeued."""
     reclaim_idle_s: float = 20.0
-    # The sweep (DESIGN D3: the database is the source of truth): every sweep_interval_s, open
-    # messages older than sweep_grace_s whose queue entry or worker is gone are requeued.
+    """A claimed work item untouched this long belongs to a dead server process and is reclaimed."""
     sweep_interval_s: float = 10.0
-    # A model whose workers all went away is still accepted (queued) for this long; after it, its
-    # waiting messages fail with no_worker and new requests get unknown_model.
+    """Seconds between sweeps: open messages whose queue entry or worker is gone are requeued (the database is the
+    source of truth)."""
     model_grace_s: float = 60.0
+    """A model whose workers all went away is still accepted (queued) this long; then its waiting messages fail
+    with no_worker and new requests get unknown_model."""
     sweep_grace_s: float = 30.0
+    """Age an open message must reach before the sweep may requeue it."""
     token_stream_expire_s: float = 300.0
-    # ``tokentrail serve --model``: on shutdown, seconds the in-process worker has to finish the messages
-    # in hand before handing them back (requeued; the next worker resumes after the streamed tokens).
+    """Seconds a finished message's token stream is kept for resuming readers (then it is served from SQL)."""
     local_drain_timeout_s: float = 30.0
+    """``tokentrail serve --model``: seconds the in-process worker has at shutdown to finish the messages in hand
+    before they are requeued (the next worker resumes after the streamed tokens)."""
     redis_pool_size: int = 512
-    # Largest request body (bytes), refused before it is read (413 request_too_large).
+    """Redis connections a server process may open."""
     max_body_bytes: int = 8 * 2**20
-    # Web origins allowed to call the API from a browser (CORS), comma-separated; "*" for any.
+    """Largest request body in bytes, refused before it is read (413 request_too_large)."""
     cors_origins: str = ""
+    """Web origins allowed to call the API from a browser (CORS), comma-separated; ``*`` for any."""
 
     @property
     def cors_origin_list(self) -> list[str]:

@@ -87,7 +87,8 @@ def test_tool_messages(embedded_stack: str, embedded_settings: ServerSettings) -
     prompt, reply = turn(url, headers, chat_id, None, "what time is it?")
     finish(url, headers, chat_id, reply["id"])
     call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
-    _insert_tool_calls(embedded_settings, reply["id"], [call, {**call, "id": "call_2"}])
+    calls = [call, {**call, "id": "call_2"}, {**call, "id": "call_3"}]
+    _insert_tool_calls(embedded_settings, reply["id"], calls)
 
     def tool(parent: str, call_id: str, content: str = "12:00") -> httpx.Response:
         body = {"parent_id": parent, "tool_call_id": call_id, "content": content}
@@ -101,11 +102,15 @@ def test_tool_messages(embedded_stack: str, embedded_settings: ServerSettings) -
     assert first.json()["role"] == "tool" and first.json()["tool_call_id"] == "call_1"
     second = tool(first.json()["id"], "call_2")
     assert second.status_code == 200, second.text
+    # the third result hangs off the second: it still answers a call of the assistant message above both
+    expect(tool(second.json()["id"], "call_9"), 422, "unknown_tool_call")
+    third = tool(second.json()["id"], "call_3")
+    assert third.status_code == 200, third.text
     # the assistant answers the tool results; its prompt extends the tool-calling turn's tokens
     answer = httpx.post(
         f"{url}/chats/{chat_id}/assistant_message",
         json={
-            "parent_id": second.json()["id"],
+            "parent_id": third.json()["id"],
             "model_config_name": MODEL,
             "sampling_parameters": {"max_new_tokens": 5},
         },

@@ -289,8 +289,8 @@ class ChatRepository:
         chat = await self.get_chat(chat_id)
         parent = await self.get_message(chat_id, parent_id)
         caller = parent
-        if parent.role == "tool":
-            caller = await self.get_message(chat_id, parent.parent_id or "")
+        while caller.role == "tool":  # results of several calls follow each other under their caller
+            caller = await self.get_message(chat_id, caller.parent_id or "")
         if caller.role != "assistant":
             raise ApiError(ErrorCode.parent_wrong_role, "a tool result must follow an assistant message or tool result")
         if caller.state not in _CONTINUABLE:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 from collections import OrderedDict
 from collections.abc import Coroutine
@@ -55,6 +54,7 @@ from worker.engine_health import HealthState, SupervisedEngine
 from worker.engines.contract import Engine, EngineDead, EngineError
 from worker.generation import Pipeline, engine_request_id
 from worker.prompt_builder import CloserPolicy, PromptMode, template_error
+from worker.reconnect import ReconnectPolicy
 from worker.rpc import RpcError, handle_rpc, vocab_size
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class WorkerOptions:
     api_key: str
     model_name: str
     max_parallel: int = 4
-    reconnect_max_s: float = 30.0
+    reconnect_max_s: float = 5.0
     heartbeat_interval_s: float = 5.0
     # "naive" re-renders the whole history each turn: only for baselines in benchmarks
     prompt_mode: PromptMode = "stitch"
@@ -164,36 +164,35 @@ class WorkerClient:
         return [u.strip() for u in self.options.server_url.split(",") if u.strip()]
 
     async def run_forever(self) -> None:
-        """Serve until drained. When the connection fails the worker moves to the next listed
-        replica at once; it backs off (doubling, jittered) only after every replica failed."""
-        delay = 0.5
+        """Serve until drained, reconnecting as ``worker.reconnect.ReconnectPolicy`` says: the next
+        listed replica at once, a jittered backoff capped at ``reconnect_max_s`` only once every
+        replica failed, and afresh after a session that had been healthy."""
         urls = self.server_urls
-        failures = 0
+        policy = ReconnectPolicy(replicas=len(urls), max_s=self.options.reconnect_max_s)
         while not self.draining:
             url = urls[self._url_index % len(urls)]
             if self.health is not None:
                 await self.health.wait_ready()  # EngineUnrecoverable ends the worker
+            failed = False
+            started = time.monotonic()
             try:
                 await self._session(url)
-                delay, failures = 0.5, 0
             except FatalWorkerError:
                 raise
             except (OSError, websockets.exceptions.WebSocketException, TimeoutError) as exc:
                 log.warning("connection to %s failed: %s", url, exc)
-                failures += 1
+                failed = True
             finally:
+                connected_s = time.monotonic() - started if self.connected.is_set() else None
                 self.connected.clear()
                 await self._abort_all()
             if self.draining:
                 return
             self._url_index += 1
-            if failures and failures % len(urls):
-                continue  # try the next replica now
-            sleep = delay * (0.5 + random.random())
-            log.info("reconnecting in %.1fs", sleep)
-            await asyncio.sleep(sleep)
-            if failures:
-                delay = min(delay * 2, self.options.reconnect_max_s)
+            wait = policy.wait_s(failed=failed, connected_s=connected_s)
+            if wait:
+                log.info("reconnecting in %.1fs", wait)
+                await asyncio.sleep(wait)
 
     async def _session(self, server_url: str) -> None:
         url = websocket_url(server_url)

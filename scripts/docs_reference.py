@@ -14,7 +14,6 @@ the reference fails the test suite.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -310,7 +309,6 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="only check; exit 1 when a page is stale")
     args = parser.parse_args()
-    os.environ.setdefault("COLUMNS", "100")
     if args.check:
         stale = stale_pages()
         for name in stale:

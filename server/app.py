@@ -136,9 +136,11 @@ def create_app(settings: ServerSettings, local_worker: LocalWorker | None = None
         paths = PathCache()
         hub = WorkerHub(settings, sessions, queue, directory, streams, metrics, paths, sql)
         if redis is not None:
+            from server.workers.presence import RedisPresence
             from server.workers.relay import RedisRpcRelay
 
             hub.rpc.relay = RedisRpcRelay(redis, hub.server_id)
+            hub.recovery.presence = RedisPresence(redis, hub.server_id, settings.replica_timeout_s)
         limiter = RateLimiter(settings.rate_limit_per_minute, settings.rate_limit_burst, redis)
         app.state.tt = AppState(
             settings=settings,

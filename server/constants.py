@@ -29,3 +29,7 @@ RPC_REQUESTS = "tokentrail:rpc:{server_id}"
 RPC_REPLY = "tokentrail:rpc-reply:{call_id}"
 # The wake-up stream of one token-stream multiplexer (server/streams/redis_mux.py).
 STREAM_WAKE = "tokentrail:stream-wake:{mux_id}"
+# A server process's presence (server/workers/presence.py): refreshed with a short TTL while it lives.
+SERVER_PRESENCE = PREFIX + "server:{server_id}"
+# When this Redis first saw a presence (no TTL): absent or young, presence keys may just have been lost.
+SERVER_EPOCH = PREFIX + "server-epoch"

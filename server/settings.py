@@ -68,6 +68,9 @@ class ServerSettings(BaseSettings):
     """Seconds between heartbeats the server sends each worker."""
     worker_timeout_s: float = 20.0
     """A worker silent this long is dropped and its work requeued."""
+    replica_timeout_s: float = Field(default=2.0, gt=0.0)
+    """A server process that has not refreshed its presence in Redis this long is presumed dead: another takes
+    over the messages its workers were generating at once (fenced, resumed after the streamed tokens)."""
     reclaim_idle_s: float = 20.0
     """A claimed work item untouched this long belongs to a dead server process and is reclaimed."""
     sweep_interval_s: float = 10.0

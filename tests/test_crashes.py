@@ -4,6 +4,8 @@
   it lost (``released``); the reader whose SSE connection broke resumes on the other replica with
   Last-Event-ID. The reply is continued from the streamed tokens, not redone.
 - A worker dies mid-stream: its reply is resumed by the other worker.
+- A replica dies and stays down while its worker can reach no other: the other replica presumes it
+  dead when its presence expires and hands the reply to its own worker (not waiting for the sweep).
 
 Each reader must see one continuous stream (after any ``reset``) equal to what SQL stores.
 """
@@ -203,3 +205,24 @@ def test_a_killed_worker_has_its_reply_resumed_by_the_other(cluster: Cluster, ti
     attempts = [_check(c.urls[0], headers, chat, mid, r) for (chat, mid), r in zip(replies, readers, strict=True)]
     assert sorted(attempts) == [1, 2]  # the killed worker's reply was continued once, the other untouched
     assert all(r.resumes == 0 for r in readers)  # the readers' server never went away
+
+
+def test_a_dead_replicas_work_moves_to_a_worker_of_another_replica(cluster: Cluster, tiny_model_dir: Path) -> None:
+    c = cluster
+    for i in range(2):  # each knows one replica only: worker-0 cannot follow its work when server-0 dies
+        c.worker(f"worker-{i}", c.urls[i : i + 1], tiny_model_dir)
+    for i in range(2):
+        wait_for(lambda i=i: "connected as" in c.log(f"worker-{i}"), 120, f"worker-{i} connected")
+    wait_for(lambda: _offered(c.urls[1]), 30, "model offered")
+    headers = login(c.urls[1], "replica-gone")
+    replies = [start_reply(c.urls[1], headers, MODEL, TOKENS, text=f"go on {k}") for k in range(2)]
+    readers = [Reader(c.urls[1:], f"/chats/{chat}/messages/{mid}/events", headers) for chat, mid in replies]
+    for reader in readers:
+        reader.start()
+    wait_for(lambda: all(_streaming(r) for r in readers), 60, "both replies to stream")  # one per worker
+    c.procs["server-0"].send_signal(signal.SIGKILL)  # and it stays down
+    attempts = [_check(c.urls[1], headers, chat, mid, r) for (chat, mid), r in zip(replies, readers, strict=True)]
+    assert sorted(attempts) == [1, 2]
+    moved = replies[attempts.index(2)][1]
+    assert "gone: requeueing " + moved in c.log("server-1")  # the fail-over moved it, not the sweep
+    assert all(r.resumes == 0 for r in readers)  # their replica never went away

@@ -133,6 +133,23 @@ async def test_touch_prevents_reclaim(make_queue: QueueFactory, model: str) -> N
     assert taken.deliveries == 3
 
 
+async def test_take_over_moves_a_dead_processs_claims_at_once(make_queue: QueueFactory, model: str) -> None:
+    queue = make_queue(route_wait_s=0.0)
+    await queue.enqueue(model, "m1", 1)
+    await queue.enqueue(model, "m2", 1, prefer="w-dead-2")
+    await queue.enqueue(model, "m3", 1)
+    assert [i.message_id for i in await queue.claim(model, "w-dead-1", 1, 0.1)] == ["m1"]
+    assert [i.message_id for i in await queue.claim(model, "w-dead-2", 1, 0.1)] == ["m2"]
+    assert [i.message_id for i in await queue.claim(model, "w-live-1", 1, 0.1)] == ["m3"]
+    taken = await queue.take_over(model, "reaper-live", ["w-dead-", "reaper-dead"])
+    assert sorted(i.message_id for i in taken) == ["m1", "m2"]  # however recently claimed; m3 is left
+    assert all(i.deliveries == 2 for i in taken)
+    assert await queue.take_over(model, "reaper-other", ["w-dead-"]) == []  # taken once only
+    for item in taken:
+        await queue.ack(item)
+    assert [i.message_id for i in await queue.reclaim(model, "x", 0.0, 10)] == ["m3"]
+
+
 async def test_reclaim_respects_count(make_queue: QueueFactory, model: str) -> None:
     queue = make_queue()
     for i in range(5):

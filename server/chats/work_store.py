@@ -188,6 +188,28 @@ class WorkStore:
             )
             return list(rows.all())
 
+    async def running_workers(self) -> set[str]:
+        """The workers that in-progress messages are assigned to (the partial index of open ones)."""
+        async with self.sessions() as s:
+            rows = await s.scalars(
+                select(Message.worker_id)
+                .where(MESSAGE_IS_OPEN, Message.state == MessageState.in_progress.value)
+                .distinct()
+            )
+            return {w for w in rows.all() if w}
+
+    async def running_on(self, worker_ids: list[str]) -> list[tuple[str, int, str]]:
+        """``(message id, attempt, model)`` of the messages in progress on these workers."""
+        async with self.sessions() as s:
+            rows = await s.execute(
+                select(Message.id, Message.attempt, Message.model_config_name).where(
+                    MESSAGE_IS_OPEN,
+                    Message.state == MessageState.in_progress.value,
+                    Message.worker_id.in_(worker_ids),
+                )
+            )
+            return [(mid, attempt, model or "") for mid, attempt, model in rows.all()]
+
     async def cancel(self, message_id: str) -> tuple[str, int, str | None] | None:
         """Mark an open message cancelled; its (previous state, attempt, worker id), or None if it had
         already ended. A worker's record for that attempt is still stored (the tokens so far)."""

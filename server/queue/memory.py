@@ -169,6 +169,19 @@ class MemoryWorkQueue:
                 items.append(pending.item)
         return items
 
+    async def take_over(self, model: str, consumer: str, prefixes: list[str]) -> list[WorkItem]:
+        queue = self._queues.get(model)
+        if queue is None or not prefixes:
+            return []
+        items: list[WorkItem] = []
+        for pending in queue.pending.values():
+            if pending.consumer.startswith(tuple(prefixes)):
+                pending.item = replace(pending.item, deliveries=pending.item.deliveries + 1)
+                pending.consumer = consumer
+                pending.touched = time.monotonic()
+                items.append(pending.item)
+        return items
+
     async def position(self, model: str, message_id: str) -> tuple[int, int]:
         queue = self._queues.get(model)
         if queue is None:

@@ -87,6 +87,11 @@ class WorkQueue(Protocol):
         """Take over items claimed by consumers that have not touched them for ``min_idle_s``."""
         ...
 
+    async def take_over(self, model: str, consumer: str, prefixes: list[str]) -> list[WorkItem]:
+        """Take over, at once, every item claimed by a consumer whose name starts with one of
+        ``prefixes`` (the workers of server processes presumed dead)."""
+        ...
+
     async def holds(self, model: str, message_id: str) -> bool:
         """Whether the queue knows the message: waiting, claimed, or (Redis) enqueued within a day.
         False after the queue lost it (a Redis restart without persistence, a restarted process)."""

@@ -161,6 +161,30 @@ for i = 3, #ARGV do
 end
 return 0
 """
+# Take over every item pending for consumers whose names start with one of ARGV[3..] (the workers and
+# the reaper of server processes presumed dead), whatever their idle time; atomic, so that two
+# survivors never both take one. Returns {key, id, fields, deliveries}.
+_TAKE_OVER = """
+local out = {}
+for _, key in ipairs(KEYS) do
+  local summary = redis.pcall('XPENDING', key, ARGV[1])
+  if type(summary) == 'table' and not summary.err and summary[4] then
+    for _, c in ipairs(summary[4]) do
+      local name, n = c[1], tonumber(c[2])
+      for i = 3, #ARGV do
+        if string.sub(name, 1, #ARGV[i]) == ARGV[i] then
+          for _, p in ipairs(redis.call('XPENDING', key, ARGV[1], '-', '+', n, name)) do
+            local got = redis.call('XCLAIM', key, ARGV[1], ARGV[2], 0, p[1])
+            if got[1] and got[1][2] then out[#out + 1] = {key, p[1], got[1][2], p[4] + 1} end
+          end
+          break
+        end
+      end
+    end
+  end
+end
+return out
+"""
 _FORGET_WORKER = """
 if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('HDEL', KEYS[1], ARGV[1]) end
 return 0
@@ -225,6 +249,7 @@ class RedisWorkQueue:
         self._enqueue_retry = redis.register_script(_ENQUEUE_RETRY)
         self._reclaim = redis.register_script(_RECLAIM)
         self._touch = redis.register_script(_TOUCH)
+        self._take_over = redis.register_script(_TAKE_OVER)
         self._groups: set[str] = set()
         self._block_s = max_block_s(redis)
 
@@ -367,6 +392,15 @@ class RedisWorkQueue:
             if len(items) >= count:
                 break
         return items
+
+    async def take_over(self, model: str, consumer: str, prefixes: list[str]) -> list[WorkItem]:
+        if not prefixes:
+            return []
+        owners: dict[Any, Any] = await self.redis.hgetall(WORK_LANES.format(model=model))
+        tags = {WORK_RETRY_STREAM.format(model=model): "r", WORK_STREAM.format(model=model): ""}
+        tags |= {WORK_LANE_STREAM.format(model=model, worker=text(o)): text(o) for o in owners}
+        rows = await self._take_over(keys=list(tags), args=[WORK_GROUP, consumer, *prefixes])
+        return [self._item(model, tags[text(key)], eid, raw, int(n)) for key, eid, raw, n in rows]
 
     async def holds(self, model: str, message_id: str) -> bool:
         return bool(await self.redis.exists(WORK_TICKET.format(message_id=message_id)))

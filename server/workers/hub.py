@@ -155,6 +155,7 @@ class WorkerHub:
         for task in list(self._local_sessions):  # their recovery (requeueing) runs to its end
             with contextlib.suppress(Exception):
                 await task
+        await self.recovery.leave()
 
     # ---- connection ------------------------------------------------------------------------
     async def serve(self, ws: WebSocket) -> None:

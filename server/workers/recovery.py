@@ -3,7 +3,8 @@ delivers. A message whose worker failed or went away gets a new attempt (fenced:
 longer write) and goes back on the retry lane; one that failed too often, or whose model is gone, ends
 as an error; a cancelled one ends its readers. Two background passes catch what no event reports: the
 sweep (open messages that nothing will finish) and the reaper (queue entries claimed by server
-processes that died)."""
+processes that died). A third, the fail-over, moves a dead server process's work within seconds
+(``server.workers.presence``): what its workers were generating, and what they had claimed."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from server.outages import is_unavailable, until_available
 from server.queue.protocol import QueueFull, WorkerDirectory, WorkItem, WorkQueue
 from server.settings import ServerSettings
 from server.streams.protocol import StreamDone, TokenStreams
-from server.workers.connection import InFlight, WorkerConnection
+from server.workers.connection import InFlight, WorkerConnection, server_of
+from server.workers.presence import MemoryPresence, Presence
 from shared.api import MessageState
 from shared.errors import ErrorCode
 from shared.protocol import CancelFrame
@@ -52,20 +54,35 @@ class Recovery:
         self.metrics = metrics
         self.connections = connections  # the hub's: what they hold is in hand, not lost
         self.server_id = server_id
+        self.presence: Presence = MemoryPresence(server_id)  # the app sets Redis's with Redis
         self._reaper: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self._presence: asyncio.Task[None] | None = None
+        self._fail_over: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
 
     def start(self) -> None:
         self._reaper = asyncio.create_task(self._reap_forever(), name="tokentrail-reaper")
         self._sweeper = asyncio.create_task(self._sweep_forever(), name="tokentrail-sweeper")
+        self._presence = asyncio.create_task(self._beat_forever(), name="tokentrail-presence")
+        self._fail_over = asyncio.create_task(self._fail_over_forever(), name="tokentrail-fail-over")
 
     async def stop(self) -> None:
-        for task in (self._reaper, self._sweeper):
+        for task in (self._reaper, self._sweeper, self._fail_over):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+
+    async def leave(self) -> None:
+        """Last of all at shutdown, once this process has handed back its work: its presence ends, so
+        that what is left (replies' ends still waiting for the database) moves at once."""
+        if self._presence is not None:
+            self._presence.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._presence
+        with contextlib.suppress(Exception):
+            await self.presence.leave()
 
     # ---- one message ---------------------------------------------------------------------------
     async def requeue(self, item: WorkItem, *, failed: bool = False, engine_death: bool = False) -> None:
@@ -177,6 +194,49 @@ class Recovery:
             log.warning("worker %s lost while generating %s: requeueing", conn.id, inflight.item.message_id)
             conn.inflight.pop(inflight.item.message_id, None)
             await self.requeue_when_back(inflight.item, failed=True)
+
+    # ---- a dead server process -------------------------------------------------------------------
+    async def _beat_forever(self) -> None:
+        await _forever(self.settings.replica_timeout_s / 4, self.presence.beat, "presence")
+
+    async def _fail_over_forever(self) -> None:
+        await _forever(self.settings.replica_timeout_s / 4, self.fail_over, "fail-over")
+
+    async def fail_over(self) -> int:
+        """Requeue at once the work of server processes presumed dead: the messages their workers were
+        generating (from the database, which names each one's worker) and the queue items those workers
+        had claimed. New attempts fence off the old ones; the next worker resumes after the tokens
+        already streamed. Returns how many messages were requeued."""
+        running = await self.store.running_workers()
+        entries = await self.directory.workers()
+        servers = {server_of(w) for w in running} | {e.server_id for e in entries}
+        servers -= {"", self.server_id}
+        if not servers:
+            return 0
+        dead = await self.presence.dead(servers)
+        if not dead:
+            return 0
+        lost = [w for w in running if server_of(w) in dead]
+        count = 0
+        for message_id, attempt, model in await self.store.running_on(lost) if lost else []:
+            new = await self.store.next_attempt(message_id, attempt)
+            if new is None:
+                continue  # it moved on meanwhile
+            log.warning("server %s gone: requeueing %s (attempt %d)", "/".join(sorted(dead)), message_id, new)
+            try:
+                await self.queue.enqueue(model, message_id, new, retry=True)
+            except Exception as exc:  # Redis away: in the background, the sweep as the backstop
+                log.warning("could not requeue %s now (%s); retrying in the background", message_id, exc)
+                self.enqueue_later(model, message_id, new, retry=True)
+            count += 1
+        prefixes = [p for sid in sorted(dead) for p in (f"w-{sid}-", f"reaper-{sid}")]
+        for model in {e.model_name for e in entries}:
+            for item in await self.queue.take_over(model, f"reaper-{self.server_id}", prefixes):
+                await self.requeue(item)  # claimed, not started yet (or already requeued above: acked)
+        for e in entries:
+            if e.server_id in dead:
+                await self.directory.unregister(e.worker_id)
+        return count
 
     # ---- background passes -----------------------------------------------------------------------
     async def _sweep_forever(self) -> None:

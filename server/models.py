@@ -202,7 +202,21 @@ class MessageEval(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class IdempotencyRecord(Base):
+    """A request made with an ``Idempotency-Key`` (``server/idempotency.py``): stored in the transaction
+    that created what the request made, with the ids a retry needs to answer as the first request did."""
+
+    __tablename__ = "idempotency_keys"
+
+    user_id: Mapped[str] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), primary_key=True)
+    key: Mapped[str] = mapped_column(String(255), primary_key=True)
+    fingerprint: Mapped[str] = mapped_column(String(64))  # method, path and body of the first request
+    result: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+
+
 # The tables themselves, typed, for the Core statements of the hot paths (no ORM objects per row).
 MESSAGES = cast(Table, Message.__table__)
 CHATS = cast(Table, Chat.__table__)
 MESSAGE_TOKENS = cast(Table, MessageTokens.__table__)
+IDEMPOTENCY_KEYS = cast(Table, IdempotencyRecord.__table__)

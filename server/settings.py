@@ -81,6 +81,9 @@ class ServerSettings(BaseSettings):
     with no_worker and new requests get unknown_model."""
     sweep_grace_s: float = 30.0
     """Age an open message must reach before the sweep may requeue it."""
+    idempotency_ttl_s: float = Field(default=86400.0, gt=0.0)
+    """Seconds an ``Idempotency-Key`` and what its request created are kept: a retry with the key within this
+    long is answered as the first request was; after it the key is free again."""
     token_stream_expire_s: float = 300.0
     """Seconds a finished message's token stream is kept for resuming readers (then it is served from SQL)."""
     local_drain_timeout_s: float = 30.0

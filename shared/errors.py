@@ -17,6 +17,7 @@ class ErrorCode(StrEnum):
     not_assistant_message = "not_assistant_message"
     unsupported_parameter = "unsupported_parameter"  # OpenAI API: a field tokentrail cannot honour
     invalid_messages = "invalid_messages"  # OpenAI API: messages that cannot form a conversation
+    invalid_idempotency_key = "invalid_idempotency_key"  # not 1-255 printable ASCII characters
     # 401 / 403
     not_authenticated = "not_authenticated"
     invalid_credentials = "invalid_credentials"
@@ -40,6 +41,7 @@ class ErrorCode(StrEnum):
     # 422
     validation_error = "validation_error"
     unknown_model = "unknown_model"
+    idempotency_key_reused = "idempotency_key_reused"  # the key was used with another request
     # 429
     rate_limited = "rate_limited"  # per-user rate of generations
     queue_share_exceeded = "queue_share_exceeded"  # a user's share of a model's queue is used up
@@ -67,6 +69,8 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.not_assistant_message: 400,
     ErrorCode.unsupported_parameter: 400,
     ErrorCode.invalid_messages: 400,
+    ErrorCode.invalid_idempotency_key: 400,
+    ErrorCode.idempotency_key_reused: 422,
     ErrorCode.model_not_found: 404,
     ErrorCode.not_found: 404,
     ErrorCode.no_worker: 503,

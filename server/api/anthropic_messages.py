@@ -16,7 +16,7 @@ from fastapi import APIRouter, Response
 from server.anthropic.render import MessageContext
 from server.anthropic.streaming import message_events
 from server.anthropic.translate import parse, to_chat
-from server.api.deps import CurrentUser, SessionDep, SessionHint, StateDep
+from server.api.deps import CurrentUser, Idempotency, SessionDep, SessionHint, StateDep
 from server.chats.admission import admit
 from server.errors import ApiError
 from server.openai.choices import collect
@@ -51,7 +51,12 @@ def _refuse_unsupported(body: CountTokensRequest) -> None:
 
 @router.post("/v1/messages", responses=ANTHROPIC_ERROR_RESPONSES)
 async def create_message(
-    body: MessagesRequest, user: CurrentUser, session: SessionDep, state: StateDep, hint: SessionHint
+    body: MessagesRequest,
+    user: CurrentUser,
+    session: SessionDep,
+    state: StateDep,
+    hint: SessionHint,
+    idem: Idempotency,
 ) -> Response:
     await require_model(state, body.model)
     _refuse_unsupported(body)
@@ -61,16 +66,17 @@ async def create_message(
     except ValueError as exc:
         raise ApiError(ErrorCode.validation_error, str(exc), param="tools", status_code=400) from exc
     conv = parse(request)
-    await admit(state.settings, state.rate_limiter, state.sql, session, user.id, body.model, 1)
     stops = body.stop_sequences or []
     knobs = SamplingKnobs(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=stops, seed=body.seed)
     # max_tokens is an upper bound: tokentrail's own ceiling (and the model's context) may end sooner
     sampling = sampling_params(knobs, min(body.max_tokens, MAX_NEW_TOKENS_LIMIT), 0)
     kwargs = body.chat_template_kwargs or None
-    cont = await start_turn(
+    turn = await start_turn(
         state,
         session,
         user.id,
+        idem=idem,
+        admission=lambda: admit(state.settings, state.rate_limiter, state.sql, session, user.id, body.model, 1),
         conv=conv,
         model=body.model,
         tools=tools,
@@ -81,16 +87,10 @@ async def create_message(
         required_prefix_ids=body.required_prefix_token_ids,
         session_key=hint,
     )
-    message_id = cont.assistants[0].id
-    info: dict[str, Any] = {
-        "chat_id": cont.chat_id,
-        "message_id": message_id,
-        "matched_messages": cont.matched,
-        "new_messages": cont.new_messages,
-        "parent_id": cont.parent_id,
-        "lineage": cont.lineage_info(),
-    }
-    ctx = MessageContext(body.model, request.with_tools, stops, info, cont.forked)
+    message_id = turn.message_ids[0]
+    info: dict[str, Any] = {"chat_id": turn.chat_id, "message_id": message_id}
+    info |= {k: v for k, v in turn.info().items() if k not in ("chat_id", "message_ids")}
+    ctx = MessageContext(body.model, request.with_tools, stops, info, turn.forked)
     if body.stream:
         return event_stream(message_events(ctx, state, message_id), state.metrics)
     done, _ = await collect(state, message_id)

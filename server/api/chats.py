@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.api.deps import RepoDep, StateDep
+from server.api.deps import Idempotency, RepoDep, StateDep
 from server.api.sse import message_events
 from server.chats.admission import admit
-from server.chats.enqueue import enqueue
-from server.chats.repository import chat_to_list_read, message_to_read
+from server.chats.enqueue import enqueue, ensure_queued
+from server.chats.repository import ChatRepository, chat_to_list_read, message_to_read
 from server.errors import ApiError
+from server.idempotency import IdempotencyKey, once
+from server.models import Message
 from shared.api import (
     MAX_CONTENT_CHARS,
     ChatListRead,
@@ -73,9 +76,17 @@ async def list_chats(
 
 
 @router.post("")
-async def create_chat(repo: RepoDep, body: CreateChatRequest | None = None) -> ChatListRead:
-    body = body or CreateChatRequest()
-    return chat_to_list_read(await repo.create_chat(system_prompt=body.system_prompt, tools=body.tools))
+async def create_chat(repo: RepoDep, idem: Idempotency, body: CreateChatRequest | None = None) -> ChatListRead:
+    new = body or CreateChatRequest()
+
+    async def create() -> ChatListRead:
+        repo.idempotency = idem
+        return chat_to_list_read(await repo.create_chat(system_prompt=new.system_prompt, tools=new.tools))
+
+    async def replay(result: dict[str, Any]) -> ChatListRead:
+        return chat_to_list_read(await repo.get_chat(result["chat_id"]))
+
+    return await once(idem, repo.session, create, replay)
 
 
 @router.put("/hide_all", response_class=Response, responses=_DONE)
@@ -117,28 +128,32 @@ async def update_chat(chat_id: str, body: ChatUpdateRequest, repo: RepoDep) -> C
 
 @router.post("/{chat_id}/prompter_message")
 async def create_prompter_message(
-    chat_id: str, body: CreatePrompterMessageRequest, repo: RepoDep, state: StateDep
+    chat_id: str, body: CreatePrompterMessageRequest, repo: RepoDep, state: StateDep, idem: Idempotency
 ) -> MessageRead:
     _check_length(body.content)
-    msg = await repo.add_prompter_message(chat_id, body.parent_id, body.content)
-    state.paths.remember([msg])
-    return message_to_read(msg)
+
+    async def create() -> Message:
+        return await repo.add_prompter_message(chat_id, body.parent_id, body.content)
+
+    return await _message_once(repo, state, idem, chat_id, create)
 
 
 @router.post("/{chat_id}/tool_message")
 async def create_tool_message(
-    chat_id: str, body: CreateToolMessageRequest, repo: RepoDep, state: StateDep
+    chat_id: str, body: CreateToolMessageRequest, repo: RepoDep, state: StateDep, idem: Idempotency
 ) -> MessageRead:
     """A tool's result for one call of the assistant message (or tool result) it follows."""
     _check_length(body.content)
-    msg = await repo.add_tool_message(chat_id, body.parent_id, body.tool_call_id, body.content)
-    state.paths.remember([msg])
-    return message_to_read(msg)
+
+    async def create() -> Message:
+        return await repo.add_tool_message(chat_id, body.parent_id, body.tool_call_id, body.content)
+
+    return await _message_once(repo, state, idem, chat_id, create)
 
 
 @router.post("/{chat_id}/written_assistant_message")
 async def create_written_assistant_message(
-    chat_id: str, body: CreateWrittenAssistantMessageRequest, repo: RepoDep, state: StateDep
+    chat_id: str, body: CreateWrittenAssistantMessageRequest, repo: RepoDep, state: StateDep, idem: Idempotency
 ) -> MessageRead:
     """An assistant message the client wrote itself (a tool call it made, a reply it typed): stored as
     context (state ``manual``), never generated or exported as a completion. The next assistant
@@ -148,28 +163,63 @@ async def create_written_assistant_message(
     if body.reasoning_content is not None:
         _check_length(body.reasoning_content)
     calls = [c.model_dump() for c in body.tool_calls] if body.tool_calls else None
-    msg = await repo.add_written_assistant_message(chat_id, body.parent_id, body.content, calls, body.reasoning_content)
-    state.paths.remember([msg])
-    return message_to_read(msg)
+
+    async def create() -> Message:
+        return await repo.add_written_assistant_message(
+            chat_id, body.parent_id, body.content, calls, body.reasoning_content
+        )
+
+    return await _message_once(repo, state, idem, chat_id, create)
 
 
 @router.post("/{chat_id}/assistant_message")
 async def create_assistant_message(
-    chat_id: str, body: CreateAssistantMessageRequest, repo: RepoDep, state: StateDep
+    chat_id: str, body: CreateAssistantMessageRequest, repo: RepoDep, state: StateDep, idem: Idempotency
 ) -> MessageRead:
     await repo.get_chat(chat_id)  # 404 before 422 for an unknown chat
-    if not await state.catalog.is_offered(body.model_config_name):
-        raise ApiError(
-            ErrorCode.unknown_model,
-            f"no connected worker offers model {body.model_config_name!r}; see GET /configs/model_configs",
-        )
-    await admit(state.settings, state.rate_limiter, state.sql, repo.session, repo.user.id, body.model_config_name)
-    sampling = body.sampling_parameters
-    # no seed unless the client asked for one (DESIGN D17): the engine then samples with its own
-    # randomness, on vLLM's batched path rather than per-request generators
-    msg = await repo.add_assistant_message(chat_id, body.parent_id, body.model_config_name, sampling, sampling.seed)
-    await enqueue(state, [msg])
-    return message_to_read(msg)
+
+    async def create() -> Message:
+        if not await state.catalog.is_offered(body.model_config_name):
+            raise ApiError(
+                ErrorCode.unknown_model,
+                f"no connected worker offers model {body.model_config_name!r}; see GET /configs/model_configs",
+            )
+        await admit(state.settings, state.rate_limiter, state.sql, repo.session, repo.user.id, body.model_config_name)
+        sampling = body.sampling_parameters
+        # no seed unless the client asked for one (DESIGN D17): the engine then samples with its own
+        # randomness, on vLLM's batched path rather than per-request generators
+        msg = await repo.add_assistant_message(chat_id, body.parent_id, body.model_config_name, sampling, sampling.seed)
+        await enqueue(state, [msg])
+        return msg
+
+    return await _message_once(repo, state, idem, chat_id, create, generated=True)
+
+
+async def _message_once(
+    repo: ChatRepository,
+    state: StateDep,
+    idem: IdempotencyKey | None,
+    chat_id: str,
+    create: Callable[[], Awaitable[Message]],
+    *,
+    generated: bool = False,
+) -> MessageRead:
+    """A message made once per Idempotency-Key: a retry gets the same message as it stands now (an
+    assistant message the first request's replica stored but could not queue is queued then)."""
+
+    async def made() -> MessageRead:
+        repo.idempotency = idem
+        msg = await create()
+        if not generated:
+            state.paths.remember([msg])
+        return message_to_read(msg)
+
+    async def replay(result: dict[str, Any]) -> MessageRead:
+        if generated:
+            await ensure_queued(state, [result["message_id"]])
+        return message_to_read(await repo.get_message(chat_id, result["message_id"]))
+
+    return await once(idem, repo.session, made, replay)
 
 
 @router.get("/{chat_id}/messages/{message_id}")
@@ -206,24 +256,43 @@ async def cancel_message(chat_id: str, message_id: str, repo: RepoDep, state: St
 
 
 @router.post("/{chat_id}/messages/{message_id}/votes", response_class=Response, responses=_DONE)
-async def vote(chat_id: str, message_id: str, body: VoteRequest, repo: RepoDep) -> Response:
+async def vote(chat_id: str, message_id: str, body: VoteRequest, repo: RepoDep, idem: Idempotency) -> Response:
     """OA's vote (-1, 0 or 1); exports use it as the turn's reward."""
-    await repo.vote(chat_id, message_id, body.score)
-    return Response(status_code=200)
+    repo.idempotency = idem
+    return await once(idem, repo.session, lambda: _done(repo.vote(chat_id, message_id, body.score)), _replay_done)
 
 
 @router.post("/{chat_id}/messages/{message_id}/reports", response_class=Response, responses=_DONE)
-async def report(chat_id: str, message_id: str, body: ReportRequest, repo: RepoDep) -> Response:
+async def report(chat_id: str, message_id: str, body: ReportRequest, repo: RepoDep, idem: Idempotency) -> Response:
     """OA's report on a message (spam, offensive, feedback), kept for moderation."""
-    await repo.report(chat_id, message_id, body.report_type, body.reason)
-    return Response(status_code=200)
+    repo.idempotency = idem
+
+    def made() -> Awaitable[Response]:
+        return _done(repo.report(chat_id, message_id, body.report_type, body.reason))
+
+    return await once(idem, repo.session, made, _replay_done)
 
 
 @router.post("/{chat_id}/messages/{message_id}/message_evals", response_class=Response, responses=_DONE)
-async def message_eval(chat_id: str, message_id: str, body: MessageEvalRequest, repo: RepoDep) -> Response:
+async def message_eval(
+    chat_id: str, message_id: str, body: MessageEvalRequest, repo: RepoDep, idem: Idempotency
+) -> Response:
     """OA's choice between drafts: this assistant message was preferred over the listed siblings.
     Kept as a preference pair (``message_evals``) next to the votes."""
-    await repo.message_eval(chat_id, message_id, body.inferior_message_ids)
+    repo.idempotency = idem
+
+    def made() -> Awaitable[Response]:
+        return _done(repo.message_eval(chat_id, message_id, body.inferior_message_ids))
+
+    return await once(idem, repo.session, made, _replay_done)
+
+
+async def _done(step: Awaitable[object]) -> Response:
+    await step
+    return Response(status_code=200)
+
+
+async def _replay_done(_result: dict[str, Any]) -> Response:
     return Response(status_code=200)
 
 

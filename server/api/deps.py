@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from server.auth import USER_KEY_PREFIX, hash_key
 from server.chats.repository import ChatRepository
 from server.errors import ApiError
+from server.idempotency import HEADER, IdempotencyKey, fingerprint, parse_key
 from server.models import ApiKey, User
 from server.state import AppState
 from shared.errors import ErrorCode
@@ -148,3 +149,17 @@ async def session_hint(request: Request) -> str | None:
 
 
 SessionHint = Annotated[str | None, Depends(session_hint)]
+
+
+async def idempotency_key(request: Request, user: CurrentUser, state: StateDep) -> IdempotencyKey | None:
+    """The request's ``Idempotency-Key`` (``server/idempotency.py``), scoped to its user."""
+    raw = request.headers.get(HEADER)
+    if raw is None:
+        return None
+    key = parse_key(raw)
+    path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    body = await request.body()  # read once by FastAPI already: cached
+    return IdempotencyKey(user.id, key, fingerprint(request.method, path, body), state.settings.idempotency_ttl_s)
+
+
+Idempotency = Annotated[IdempotencyKey | None, Depends(idempotency_key)]

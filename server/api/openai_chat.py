@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Response
 
-from server.api.deps import CurrentUser, SessionDep, SessionHint, StateDep, session_key
+from server.api.deps import CurrentUser, Idempotency, SessionDep, SessionHint, StateDep, session_key
 from server.chats.admission import admit
 from server.chats.finished import Finished
 from server.errors import ApiError
+from server.idempotency import IdempotencyKey
 from server.openai.choices import Progress, collect, follow
 from server.openai.conversations import parse_messages
 from server.openai.params import require_model, sampling_params, unsupported
@@ -81,18 +81,28 @@ async def list_models(state: StateDep, _user: CurrentUser) -> dict[str, Any]:
 # ---- chat completions -----------------------------------------------------------------------------
 @router.post("/v1/chat/completions")
 async def chat_completions(
-    body: ChatCompletionRequest, user: CurrentUser, session: SessionDep, state: StateDep, hint: SessionHint
+    body: ChatCompletionRequest,
+    user: CurrentUser,
+    session: SessionDep,
+    state: StateDep,
+    hint: SessionHint,
+    idem: Idempotency,
 ) -> Response:
-    return await _chat(body, user.id, session, state, client_tokens=None, hint=hint)
+    return await _chat(body, user.id, session, state, client_tokens=None, hint=hint, idem=idem)
 
 
 @router.post("/v1/chat/completions/tokens")
 async def chat_completions_tokens(
-    body: ChatCompletionTokensRequest, user: CurrentUser, session: SessionDep, state: StateDep, hint: SessionHint
+    body: ChatCompletionTokensRequest,
+    user: CurrentUser,
+    session: SessionDep,
+    state: StateDep,
+    hint: SessionHint,
+    idem: Idempotency,
 ) -> Response:
     """A chat request plus the prompt ``tokens`` the client built (verifiers' token client): generation
     uses those tokens; ``tokentrail.prompt_check`` says whether they equal the stored chain's prompt."""
-    return await _chat(body, user.id, session, state, client_tokens=body.tokens, hint=hint)
+    return await _chat(body, user.id, session, state, client_tokens=body.tokens, hint=hint, idem=idem)
 
 
 async def _chat(
@@ -103,6 +113,7 @@ async def _chat(
     *,
     client_tokens: list[int] | None,
     hint: str | None,
+    idem: IdempotencyKey | None,
 ) -> Response:
     await require_model(state, body.model)
     if body.response_format and body.response_format.get("type") not in (None, "text"):
@@ -117,14 +128,15 @@ async def _chat(
     except ValueError as exc:
         raise ApiError(ErrorCode.validation_error, str(exc), param="tools", status_code=400) from exc
     conv = parse_messages(body.messages)
-    await admit(state.settings, state.rate_limiter, state.sql, session, user_id, body.model, body.n)
     top = (body.top_logprobs or 0) if body.logprobs else 0
     sampling = sampling_params(body, body.max_completion_tokens or body.max_tokens, top)
     kwargs = body.chat_template_kwargs or None
-    cont = await start_turn(
+    turn = await start_turn(
         state,
         session,
         user_id,
+        idem=idem,
+        admission=lambda: admit(state.settings, state.rate_limiter, state.sql, session, user_id, body.model, body.n),
         conv=conv,
         model=body.model,
         tools=tools,
@@ -136,17 +148,8 @@ async def _chat(
         required_prefix_ids=body.required_prefix_token_ids,
         session_key=session_key(body.prompt_cache_key) or hint,
     )
-    ids = [m.id for m in cont.assistants]
-    created = int(time.time())
-    request_info = {
-        "chat_id": cont.chat_id,
-        "message_ids": ids,
-        "matched_messages": cont.matched,
-        "new_messages": cont.new_messages,
-        "parent_id": cont.parent_id,
-        "lineage": cont.lineage_info(),
-    }
-    ctx = _ChatContext(body, f"chatcmpl-{ids[0]}", created, cont.forked, request_info)
+    ids = turn.message_ids
+    ctx = _ChatContext(body, f"chatcmpl-{ids[0]}", turn.created, turn.forked, turn.info())
     if body.stream:
         chunks = merged([ctx.choice_chunks(state, i, mid) for i, mid in enumerate(ids)])
         return event_stream(ctx.stream(chunks), state.metrics)

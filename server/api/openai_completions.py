@@ -10,6 +10,7 @@ first chunk and the new ids in every chunk).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -17,12 +18,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Response
+from sqlalchemy.ext.asyncio import AsyncSession
 
-from server.api.deps import CurrentUser, SessionDep, StateDep
+from server.api.deps import CurrentUser, Idempotency, SessionDep, StateDep
 from server.chats.admission import admit
-from server.chats.enqueue import enqueue
+from server.chats.enqueue import enqueue, ensure_queued
 from server.chats.finished import Finished
 from server.errors import ApiError
+from server.idempotency import IdempotencyKey, once
 from server.models import Message
 from server.openai.choices import Progress, collect, follow
 from server.openai.conversations import store_raw
@@ -84,9 +87,35 @@ def _legacy_logprobs(
     return out
 
 
+async def _commit_raw(
+    state: AppState,
+    session: AsyncSession,
+    idem: IdempotencyKey | None,
+    prompts: list[Message],
+    pending: list[Message],
+) -> tuple[list[str], int]:
+    """Commit a raw-prompt request's chats in one transaction (with its idempotency record) and queue
+    its generations: their message ids, and the request's time."""
+    ids, created = [m.id for m in pending], int(time.time())
+    if idem is not None:
+        await idem.record(session, {"message_ids": ids, "created": created})
+    await session.commit()
+    state.paths.remember(prompts)
+    await enqueue(state, pending)
+    return ids, created
+
+
+async def _replay_raw(state: AppState, result: dict[str, Any]) -> tuple[list[str], int]:
+    ids: list[str] = result["message_ids"]
+    await ensure_queued(state, ids)
+    return ids, int(result["created"])
+
+
 # ---- /v1/completions ------------------------------------------------------------------------------
 @router.post("/v1/completions")
-async def completions(body: CompletionRequest, user: CurrentUser, session: SessionDep, state: StateDep) -> Response:
+async def completions(
+    body: CompletionRequest, user: CurrentUser, session: SessionDep, state: StateDep, idem: Idempotency
+) -> Response:
     await require_model(state, body.model)
     if body.suffix:
         raise unsupported("suffix", "insertion (suffix) is not supported")
@@ -116,24 +145,28 @@ async def completions(body: CompletionRequest, user: CurrentUser, session: Sessi
             echoes.append(str((await rpc_call(state, body.model, "detokenize", {"tokens": prompt}))["prompt"]))
         else:
             echoes.append("")
-    await admit(state.settings, state.rate_limiter, state.sql, session, user.id, body.model, len(prompts) * body.n)
-    jobs: list[_Job] = []
-    pending: list[Message] = []
-    for k, prompt in enumerate(prompts):
-        if isinstance(prompt, str):
-            raw: dict[str, Any] = {"text": prompt, "add_special_tokens": body.add_special_tokens}
-            text, title = prompt, prompt.strip()
-        else:
-            raw, text, title = {"token_ids": prompt}, "", f"token prompt ({len(prompt)} tokens)"
-        _chat, prompt_msg, msgs = await store_raw(
-            session, user.id, text=text, raw=raw, title=title, model=body.model, sampling=sampling, n=body.n
-        )
-        jobs += [_Job(k * body.n + i, m.id, echoes[k] if body.echo else "") for i, m in enumerate(msgs)]
-        pending += msgs
-        state.paths.remember([prompt_msg])
-    await enqueue(state, pending)
+
+    async def create() -> tuple[list[str], int]:
+        await admit(state.settings, state.rate_limiter, state.sql, session, user.id, body.model, len(prompts) * body.n)
+        pending: list[Message] = []
+        prompt_msgs: list[Message] = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                raw: dict[str, Any] = {"text": prompt, "add_special_tokens": body.add_special_tokens}
+                text, title = prompt, prompt.strip()
+            else:
+                raw, text, title = {"token_ids": prompt}, "", f"token prompt ({len(prompt)} tokens)"
+            _chat, prompt_msg, msgs = await store_raw(
+                session, user.id, text=text, raw=raw, title=title, model=body.model, sampling=sampling, n=body.n
+            )
+            pending += msgs
+            prompt_msgs.append(prompt_msg)
+        return await _commit_raw(state, session, idem, prompt_msgs, pending)
+
+    ids, created = await once(idem, session, create, functools.partial(_replay_raw, state))
     await session.close()  # generation may take minutes; the followers open their own sessions
-    ctx = _CompletionContext(body, f"cmpl-{jobs[0].message_id}", int(time.time()), top)
+    jobs = [_Job(i, mid, echoes[i // body.n] if body.echo else "") for i, mid in enumerate(ids)]
+    ctx = _CompletionContext(body, f"cmpl-{jobs[0].message_id}", created, top)
     if body.stream:
         chunks = merged([ctx.chunks(state, job) for job in jobs])
         return event_stream(ctx.stream(chunks), state.metrics)
@@ -263,7 +296,9 @@ _GENERATE_REFUSED = {
 
 
 @router.post("/inference/v1/generate")
-async def generate(body: GenerateRequest, user: CurrentUser, session: SessionDep, state: StateDep) -> Response:
+async def generate(
+    body: GenerateRequest, user: CurrentUser, session: SessionDep, state: StateDep, idem: Idempotency
+) -> Response:
     """vLLM's tokens-in route: generation from the given token ids, with vLLM's ``sampling_params``,
     answered in vLLM's shape (``output_mode`` tokens or text)."""
     model = await resolve_model(state, body.model)
@@ -293,24 +328,27 @@ async def generate(body: GenerateRequest, user: CurrentUser, session: SessionDep
             param="output_mode",
         )
     sampling = sampling_params(sp, sp.max_tokens, sp.logprobs or 0, prefix="sampling_params.")
-    await admit(state.settings, state.rate_limiter, state.sql, session, user.id, model, sp.n)
-    _chat, prompt_msg, msgs = await store_raw(
-        session,
-        user.id,
-        text="",
-        raw={"token_ids": body.token_ids},
-        title=f"generate ({len(body.token_ids)} tokens)",
-        model=model,
-        sampling=sampling,
-        n=sp.n,
-    )
-    state.paths.remember([prompt_msg])
-    await enqueue(state, msgs)
+
+    async def create() -> tuple[list[str], int]:
+        await admit(state.settings, state.rate_limiter, state.sql, session, user.id, model, sp.n)
+        _chat, prompt_msg, msgs = await store_raw(
+            session,
+            user.id,
+            text="",
+            raw={"token_ids": body.token_ids},
+            title=f"generate ({len(body.token_ids)} tokens)",
+            model=model,
+            sampling=sampling,
+            n=sp.n,
+        )
+        return await _commit_raw(state, session, idem, [prompt_msg], msgs)
+
+    message_ids, created = await once(idem, session, create, functools.partial(_replay_raw, state))
     await session.close()
-    shape = _GenerateShape(body, body.request_id or f"gen-{msgs[0].id}", model)
+    shape = _GenerateShape(body, body.request_id or f"gen-{message_ids[0]}", model)
     if body.stream:
-        return event_stream(_generate_stream(state, shape, [m.id for m in msgs]), state.metrics)
-    results = await asyncio.gather(*(collect(state, m.id) for m in msgs))
+        return event_stream(_generate_stream(state, shape, message_ids), state.metrics)
+    results = await asyncio.gather(*(collect(state, mid) for mid in message_ids))
     choices = []
     completion = 0
     for i, (done, progress) in enumerate(results):
@@ -333,7 +371,7 @@ async def generate(body: GenerateRequest, user: CurrentUser, session: SessionDep
         dumps(
             {
                 **shape.head(),
-                "created": int(time.time()),
+                "created": created,
                 "choices": choices,
                 "usage": usage(len(body.token_ids), completion, first.num_cached_tokens),
                 "prompt_logprobs": None,

@@ -14,7 +14,6 @@ extends the stored tokens. Everything is stored (``store: false`` included), as 
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +21,7 @@ from fastapi import APIRouter, Response
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from server.api.deps import CurrentUser, SessionDep, SessionHint, StateDep, session_key
+from server.api.deps import CurrentUser, Idempotency, SessionDep, SessionHint, StateDep, session_key
 from server.chats.admission import admit
 from server.chats.finished import Finished
 from server.errors import ApiError
@@ -120,7 +119,12 @@ async def _previous(session: AsyncSession, user_id: str, rid: str) -> _Previous:
 
 @router.post("/v1/responses")
 async def create_response(
-    body: ResponsesRequest, user: CurrentUser, session: SessionDep, state: StateDep, hint: SessionHint
+    body: ResponsesRequest,
+    user: CurrentUser,
+    session: SessionDep,
+    state: StateDep,
+    hint: SessionHint,
+    idem: Idempotency,
 ) -> Response:
     await require_model(state, body.model)
     refuse_unsupported(body)
@@ -135,12 +139,13 @@ async def create_response(
         system_prompt=prev.work.system_prompt if prev is not None else None,
     )
     conv = conversation(tr)
-    await admit(state.settings, state.rate_limiter, state.sql, session, user.id, body.model, 1)
     sampling = sampling_params(body, body.max_output_tokens or body.max_tokens, 0)
-    cont = await start_turn(
+    turn = await start_turn(
         state,
         session,
         user.id,
+        idem=idem,
+        admission=lambda: admit(state.settings, state.rate_limiter, state.sql, session, user.id, body.model, 1),
         conv=conv,
         model=body.model,
         tools=tools,
@@ -151,12 +156,12 @@ async def create_response(
         required_prefix_ids=body.required_prefix_token_ids or tr.required_prefix,
         session_key=session_key(body.prompt_cache_key) or hint,
     )
-    mid = cont.assistants[0].id
+    mid = turn.message_ids[0]
     rid = response_id(mid)
     with_tools = body.tool_choice != "none"
     echo = Echo(
         model=body.model,
-        created_at=int(time.time()),
+        created_at=turn.created,
         instructions=conv.system_prompt,
         tools=response_tools(tools),
         tool_choice=body.tool_choice if isinstance(body.tool_choice, str) else "auto",
@@ -170,20 +175,13 @@ async def create_response(
         store=body.store is not False,
         reasoning=body.reasoning,
     )
-    request_info = {
-        "chat_id": cont.chat_id,
-        "message_ids": [mid],
-        "matched_messages": cont.matched,
-        "new_messages": cont.new_messages,
-        "parent_id": cont.parent_id,
-        "lineage": cont.lineage_info(),
-    }
+    request_info = turn.info()
 
     def body_of(status: str, output: list[dict[str, Any]], done: Finished | None) -> dict[str, Any]:
         info = dict(request_info)
         error = None
         if done is not None:
-            info.update(tokentrail_info(done.message, done.tokens, forked=cont.forked))
+            info.update(tokentrail_info(done.message, done.tokens, forked=turn.forked))
             if done.message.state != MessageState.complete.value:
                 error = error_body(done.message)
         return echo.body(rid, status, output, usage=usage(done.tokens) if done else None, error=error, tokentrail=info)

@@ -16,6 +16,7 @@ from server.models import Message
 from server.outages import is_unavailable
 from server.queue.protocol import QueueFull
 from server.state import AppState
+from shared.api import MessageState
 from shared.errors import ErrorCode
 
 
@@ -42,3 +43,15 @@ async def enqueue(
             if not is_unavailable(exc):
                 raise
             state.hub.recovery.enqueue_later(model, msg.id, msg.attempt)
+
+
+async def ensure_queued(state: AppState, message_ids: list[str]) -> None:
+    """A retried request's messages (an Idempotency-Key's replay): any still pending that the queue
+    never got, because the first request's process died between its commit and its enqueue, gets a new
+    attempt (fencing off a late enqueue of the old one) and is queued now."""
+    for message_id, attempt, model, state_ in await state.hub.store.states(message_ids):
+        if state_ != MessageState.pending.value or await state.queue.holds(model, message_id):
+            continue
+        new = await state.hub.store.next_attempt(message_id, attempt)
+        if new is not None:
+            await state.queue.enqueue(model, message_id, new, retry=True)

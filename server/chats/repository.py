@@ -16,6 +16,7 @@ from sqlalchemy import delete, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from server.errors import ApiError
+from server.idempotency import IdempotencyKey
 from server.models import Chat, Message, MessageEval, MessageReport, MessageTokens, User, new_id, utcnow
 from shared.api import (
     MAX_MESSAGES_PER_CHAT,
@@ -165,11 +166,20 @@ class ChatRepository:
         self.session = session
         self.user = user
         self._chats: dict[str, Chat] = {}
+        # The request's Idempotency-Key: its record is stored in the transaction of what it creates.
+        self.idempotency: IdempotencyKey | None = None
+
+    async def _commit(self, result: dict[str, Any]) -> None:
+        """Commit what the request created, with its idempotency record (``KeyTaken``: rolled back,
+        another request with the key stored first)."""
+        if self.idempotency is not None:
+            await self.idempotency.record(self.session, result)
+        await self.session.commit()
 
     async def create_chat(self, *, system_prompt: str | None = None, tools: list[Any] | None = None) -> Chat:
-        chat = Chat(user_id=self.user.id, system_prompt=system_prompt, tools=tools)
+        chat = Chat(id=new_id(), user_id=self.user.id, system_prompt=system_prompt, tools=tools)
         self.session.add(chat)
-        await self.session.commit()
+        await self._commit({"chat_id": chat.id})
         return chat
 
     async def list_chats(
@@ -317,13 +327,13 @@ class ChatRepository:
         if msg.role != "assistant":
             raise ApiError(ErrorCode.not_assistant_message, "only assistant messages can be voted on")
         msg.score, msg.voted_at = score, utcnow()
-        await self.session.commit()
+        await self._commit({})
         return msg
 
     async def report(self, chat_id: str, message_id: str, report_type: str, reason: str) -> None:
         msg = await self.get_message(chat_id, message_id)
         self.session.add(MessageReport(message_id=msg.id, user_id=self.user.id, report_type=report_type, reason=reason))
-        await self.session.commit()
+        await self._commit({})
 
     async def message_eval(self, chat_id: str, message_id: str, inferior_ids: list[str]) -> None:
         """The user preferred ``message_id`` over ``inferior_ids``: assistant siblings in this chat."""
@@ -352,7 +362,7 @@ class ChatRepository:
         self.session.add(
             MessageEval(chat_id=msg.chat_id, message_id=msg.id, user_id=self.user.id, inferior_message_ids=inferior_ids)
         )
-        await self.session.commit()
+        await self._commit({})
 
     async def open_message_ids(self, chat_id: str) -> list[str]:
         chat = await self.get_chat(chat_id)
@@ -382,7 +392,7 @@ class ChatRepository:
             )
         self._touch(chat, msg)
         self.session.add(msg)
-        await self.session.commit()
+        await self._commit({"chat_id": chat.id, "message_id": msg.id})
 
     def _touch(self, chat: Chat, msg: Message) -> None:
         if msg.id is None:

@@ -188,6 +188,16 @@ class WorkStore:
             )
             return list(rows.all())
 
+    async def states(self, message_ids: list[str]) -> list[tuple[str, int, str, str]]:
+        """``(message id, attempt, model, state)`` of these messages."""
+        async with self.sessions() as s:
+            rows = await s.execute(
+                select(Message.id, Message.attempt, Message.model_config_name, Message.state).where(
+                    Message.id.in_(message_ids)
+                )
+            )
+            return [(mid, attempt, model or "", state) for mid, attempt, model, state in rows.all()]
+
     async def running_workers(self) -> set[str]:
         """The workers that in-progress messages are assigned to (the partial index of open ones)."""
         async with self.sessions() as s:

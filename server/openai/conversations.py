@@ -28,6 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from server.chats.repository import message_row, pending_assistant
 from server.errors import ApiError
 from server.hot_sql import HotSql, Step
+from server.idempotency import KeyTaken
 from server.models import CHATS, MESSAGES, Chat, Message, new_id, utcnow
 from server.sql_lists import in_list, list_param, state_in
 from shared.api import MAX_CONTENT_CHARS, MAX_TOOL_ARGUMENTS_CHARS, MessageState, SamplingParameters, WorkParameters
@@ -302,7 +303,10 @@ class ConversationStore:
         conversation_id: str | None,
         extra_params: dict[str, Any],
         session_key: str | None = None,
+        claim: Callable[[Continued], Step] | None = None,
     ) -> Continued:
+        """``claim``: the step that stores the request's idempotency record, from what it continues
+        (``KeyTaken`` when the key was taken meanwhile: nothing stored)."""
         hashes = chain_hashes(seed, [m.norm for m in conv.path])
         pinned = await self._owned_chat(conversation_id) if conversation_id is not None else None
         match, matched = await self.longest_match(hashes, conversation_id, session_key)
@@ -380,12 +384,16 @@ class ConversationStore:
             a.session_key = session_key
         writes.append(Step(_INSERT_MESSAGES, [message_row(m, now) for m in (*stored, *assistants)]))
         writes.append(Step(_TOUCH_CHAT, {"chat_id": chat_id, "now": now, "tail": assistants[0].id}))
-        await self.sql.transact(self.session, writes)  # the request's transaction, committed
         decision, stop, broke = lineage(conv, matched, match is not None, forked)
         holder = match.worker_id if match is not None else None
-        return Continued(
+        cont = Continued(
             chat_id, assistants, matched, forked, len(tail), parent_id, stored, decision, stop, broke, holder
         )
+        if claim is not None:  # first: a key taken meanwhile stores nothing of this request
+            writes.insert(0, claim(cont))
+        if await self.sql.transact(self.session, writes) is None:  # the request's transaction, committed
+            raise KeyTaken("idempotency key")
+        return cont
 
 
 def pending_assistants(
@@ -410,7 +418,8 @@ async def store_raw(
 ) -> tuple[Chat, Message, list[Message]]:
     """A raw-prompt request (text completions, tokens in) as a chat of its own: the prompt as a
     prompter message and n assistant messages generated from the prompt as given (no template).
-    Such chats are not in the prefix index: chat requests never continue them."""
+    Such chats are not in the prefix index: chat requests never continue them. Added to ``session``,
+    for the caller to commit (one transaction for all of a request's prompts)."""
     chat = Chat(user_id=user_id, title=title[:80] or None)
     session.add(chat)
     await session.flush()
@@ -427,7 +436,6 @@ async def store_raw(
     )
     session.add_all(assistants)
     chat.active_thread_tail_message_id = assistants[0].id
-    await session.commit()
     return chat, prompt, assistants
 
 

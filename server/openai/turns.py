@@ -1,18 +1,58 @@
 """Starting a turn, the same for every dialect's route (chat completions, Responses, Messages): the
 request's conversation continues the longest stored path (``ConversationStore.continue_path``), the new
 messages are remembered, the assistant messages queued, and the request's session closed (generation may
-take minutes; the follower opens its own sessions)."""
+take minutes; the follower opens its own sessions).
+
+With an ``Idempotency-Key`` (``server/idempotency.py``) the turn is stored once: a retry gets the first
+request's ``Turn`` back, and its routes answer from it as they did the first time (the same messages,
+followed from their first token)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from server.chats.enqueue import enqueue
+from server.chats.enqueue import enqueue, ensure_queued
+from server.hot_sql import Step
+from server.idempotency import IdempotencyKey, once
 from server.openai.conversations import Continued, Conversation, ConversationStore, seed_for
 from server.state import AppState
 from shared.api import SamplingParameters
+
+
+@dataclass(frozen=True)
+class Turn:
+    """What a turn created, as its routes answer from it."""
+
+    chat_id: str
+    message_ids: list[str]  # the assistant messages to generate
+    matched: int
+    new_messages: int
+    parent_id: str | None
+    forked: bool
+    lineage: dict[str, Any]
+    created: int  # Unix time of the first request
+
+    @classmethod
+    def of(cls, cont: Continued, created: int) -> Turn:
+        ids = [m.id for m in cont.assistants]
+        lineage = cont.lineage_info()
+        return cls(cont.chat_id, ids, cont.matched, cont.new_messages, cont.parent_id, cont.forked, lineage, created)
+
+    def info(self) -> dict[str, Any]:
+        """The request's part of the answer's ``tokentrail`` object."""
+        return {
+            "chat_id": self.chat_id,
+            "message_ids": self.message_ids,
+            "matched_messages": self.matched,
+            "new_messages": self.new_messages,
+            "parent_id": self.parent_id,
+            "lineage": self.lineage,
+        }
 
 
 async def start_turn(
@@ -20,6 +60,8 @@ async def start_turn(
     session: AsyncSession,
     user_id: str,
     *,
+    idem: IdempotencyKey | None,
+    admission: Callable[[], Awaitable[None]],
     conv: Conversation,
     model: str,
     tools: list[Any] | None,
@@ -30,26 +72,44 @@ async def start_turn(
     client_prompt_ids: list[int] | None = None,
     required_prefix_ids: list[int] | None = None,
     session_key: str | None = None,
-) -> Continued:
-    cont = await ConversationStore(session, user_id, state.sql).continue_path(
-        conv=conv,
-        seed=seed_for(user_id, model, conv, tools, template_kwargs),
-        model=model,
-        tools=tools,
-        sampling=sampling,
-        n=n,
-        conversation_id=conversation_id,
-        extra_params={
-            "template_kwargs": template_kwargs,
-            "client_prompt_ids": client_prompt_ids,
-            "required_prefix_ids": required_prefix_ids,
-        },
-        session_key=session_key,
-    )
-    state.metrics.lineage.labels(model, cont.lineage).inc()
-    if cont.prefix_break:
-        state.metrics.prefix_breaks.labels(model).inc()
-    state.paths.remember(cont.stored)
-    await enqueue(state, cont.assistants, holder=cont.holder, session_key=session_key)
+) -> Turn:
+    """``admission`` runs before anything is stored, and not for a retry of a stored turn."""
+    created = int(time.time())
+
+    def claim(cont: Continued) -> Step:
+        assert idem is not None
+        return idem.step(state.sql.dialect, asdict(Turn.of(cont, created)))
+
+    async def create() -> Turn:
+        await admission()
+        cont = await ConversationStore(session, user_id, state.sql).continue_path(
+            conv=conv,
+            seed=seed_for(user_id, model, conv, tools, template_kwargs),
+            model=model,
+            tools=tools,
+            sampling=sampling,
+            n=n,
+            conversation_id=conversation_id,
+            extra_params={
+                "template_kwargs": template_kwargs,
+                "client_prompt_ids": client_prompt_ids,
+                "required_prefix_ids": required_prefix_ids,
+            },
+            session_key=session_key,
+            claim=claim if idem is not None else None,
+        )
+        state.metrics.lineage.labels(model, cont.lineage).inc()
+        if cont.prefix_break:
+            state.metrics.prefix_breaks.labels(model).inc()
+        state.paths.remember(cont.stored)
+        await enqueue(state, cont.assistants, holder=cont.holder, session_key=session_key)
+        return Turn.of(cont, created)
+
+    async def replay(result: dict[str, Any]) -> Turn:
+        turn = Turn(**result)
+        await ensure_queued(state, turn.message_ids)
+        return turn
+
+    turn = await once(idem, session, create, replay)
     await session.close()
-    return cont
+    return turn

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from datetime import timedelta
 
 from server.chats.work_store import WorkStore
+from server.idempotency import purge_expired
 from server.metrics import Metrics
 from server.models import utcnow
 from server.outages import is_unavailable, until_available
@@ -246,6 +247,8 @@ class Recovery:
         """Requeue open messages that nothing will finish: pending ones the queue no longer holds (a
         Redis restart, a restarted embedded server) and in-progress ones whose worker is gone. The
         database is the source of truth; the new attempt fences off any stale copy."""
+        async with self.store.sessions() as session:  # Idempotency-Keys past their time
+            await purge_expired(session, self.settings.idempotency_ttl_s)
         cutoff = utcnow() - timedelta(seconds=self.settings.sweep_grace_s)
         stale = await self.store.open_before(cutoff)
         if not stale:

@@ -154,7 +154,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         count_error(request, exc.code.value)
         if is_openai_path(request.url.path):  # OpenAI answers every invalid field with 400, not 422
-            status = 400 if exc.status_code == 422 else exc.status_code
+            # (a reused Idempotency-Key keeps the IETF draft's 422: it is not an invalid field)
+            reused = exc.code == ErrorCode.idempotency_key_reused
+            status = 400 if exc.status_code == 422 and not reused else exc.status_code
             body = v1_error_body(request.url.path, status, exc.detail, exc.code.value, exc.param)
             return JSONResponse(body, status_code=status, headers=exc.headers)
         return JSONResponse(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -213,3 +214,34 @@ def test_openai_turns_continue_their_stored_path_on_postgres(cluster: tuple[str,
     assert ok.status_code == 200 and ok.json()["tokentrail"]["chat_id"] == chat_id, ok.text
     other = httpx.post(f"{b}/v1/chat/completions", json=pinned, headers=login(a, "pg-openai-2"), timeout=60)
     assert other.status_code == 404 and other.json()["error"]["code"] == "chat_not_found", other.text
+
+
+def test_idempotent_retries_across_replicas_make_each_thing_once(cluster: tuple[str, str]) -> None:
+    """A POST retried on the other replica with the same Idempotency-Key, and the same POST raced to both
+    replicas at once: PostgreSQL's unique key lets one request store, the rest answer from its record."""
+    a, b = cluster
+    headers = login(a, "pg-idem")
+    chat = httpx.post(f"{a}/chats", json={}, headers=headers).json()["id"]
+    body = {"parent_id": None, "content": "once"}
+    k = {"Idempotency-Key": "pg-idem-prompt"}
+    made = [httpx.post(f"{u}/chats/{chat}/prompter_message", json=body, headers={**headers, **k}) for u in (a, b)]
+    assert made[0].status_code == made[1].status_code == 200
+    assert made[0].json()["id"] == made[1].json()["id"]
+    ask = {"parent_id": made[0].json()["id"], "model_config_name": MODEL,
+           "sampling_parameters": {"max_new_tokens": 6, "ignore_eos": True}}  # fmt: skip
+    k = {"Idempotency-Key": "pg-idem-reply"}
+
+    def post(url: str) -> httpx.Response:
+        return httpx.post(f"{url}/chats/{chat}/assistant_message", json=ask, headers={**headers, **k}, timeout=30)
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(post, [a, b] * 4))
+    assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
+    assert len({r.json()["id"] for r in answers}) == 1
+    mid = answers[0].json()["id"]
+    assert events(b, f"/chats/{chat}/messages/{mid}/events", headers)[-1]["event_type"] == "message"
+    roles = [m["role"] for m in httpx.get(f"{a}/chats/{chat}", headers=headers).json()["messages"]]
+    assert roles == ["prompter", "assistant"]
+    other = httpx.post(f"{b}/chats/{chat}/assistant_message", json={**ask, "model_config_name": "x"},
+                       headers={**headers, **k})  # fmt: skip
+    assert other.status_code == 422 and other.json()["code"] == "idempotency_key_reused"

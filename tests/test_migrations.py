@@ -16,7 +16,16 @@ from alembic import command
 from server import migrate
 from server.models import Base
 
-TABLES = {"users", "api_keys", "worker_keys", "chats", "messages", "message_tokens", "idempotency_keys", "alembic_version"}
+TABLES = {
+    "users",
+    "api_keys",
+    "worker_keys",
+    "chats",
+    "messages",
+    "message_tokens",
+    "idempotency_keys",
+    "alembic_version",
+}
 
 
 async def _inspect(url: str) -> tuple[set[str], list[Any], str | None]:

@@ -91,3 +91,50 @@ def test_a_model_whose_workers_left_is_queued_for_a_grace_period(tmp_path: Path)
         assert resp.status_code == 422 and resp.json()["code"] == "unknown_model", resp.text
     finally:
         server.stop()
+
+
+def test_a_retry_with_its_key_queues_a_message_the_queue_lost_at_once(
+    private_redis: RestartableRedis, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """As when the first request's replica died between its commit and its enqueue: the message is
+    pending and no queue holds it. Its client's retry (same Idempotency-Key) queues it; the sweep,
+    which would find it much later, is kept out of the way."""
+    settings = ServerSettings(
+        data_dir=tmp_path,
+        port=free_port(),
+        redis_url=private_redis.url,
+        auth_secret="sweep-test-secret-0123456789abcdef",
+        allow_debug_auth=True,
+        worker_heartbeat_interval_s=0.5,
+        sweep_interval_s=3600.0,
+        sweep_grace_s=3600.0,
+    )
+    server = ServerThread(settings).start()
+    key = worker_key(settings)
+    idle = IdleWorker(server.url, key).start()
+    try:
+        headers = login(server.url, "sweep-retry")
+        chat, prompt = new_turn(server.url, headers)
+        body = {"parent_id": prompt, "model_config_name": MODEL, "sampling_parameters": {"max_new_tokens": 4}}
+        retry = {**headers, "Idempotency-Key": "lost-in-the-queue"}
+        first = httpx.post(f"{server.url}/chats/{chat}/assistant_message", json=body, headers=retry)
+        assert first.status_code == 200, first.text
+        idle.stop()
+        private_redis.kill()
+        private_redis.start()
+        again = httpx.post(f"{server.url}/chats/{chat}/assistant_message", json=body, headers=retry)
+        assert again.status_code == 200 and again.json()["id"] == first.json()["id"]
+        assert again.json()["attempt"] == 2  # fenced: a late enqueue of attempt 1 is dropped
+
+        fmt = ChatFormat.load(str(tiny_model_dir))
+        worker = WorkerThread(
+            server.url, key, MODEL, fmt, lambda: HFEngine(str(tiny_model_dir), max_batch_size=4)
+        ).start()
+        try:
+            mid = first.json()["id"]
+            final = events(server.url, f"/chats/{chat}/messages/{mid}/events", headers)[-1]
+            assert final["event_type"] == "message", final
+        finally:
+            worker.stop()
+    finally:
+        server.stop()

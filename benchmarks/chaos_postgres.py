@@ -7,10 +7,15 @@
   checks from ``/admin/workers`` (each worker has a key of its own) that every worker stores a reply
   again, and how long after.
 - ``OpenAIUser``: ``--openai-share`` of the users chat through ``/v1/chat/completions`` with
-  ``stream=true``, each turn echoing the history it streamed. A stream must end with ``[DONE]``
-  (after an error chunk at worst); one that breaks is cut (one that breaks while its replica is
-  being killed is counted apart: an OpenAI stream cannot resume elsewhere).
+  ``stream=true``, each turn echoing the history it streamed (each conversation's first message is
+  its own, so each conversation is a chat of its own). A stream must end with ``[DONE]`` (after an
+  error chunk at worst); one that breaks is cut (one that breaks while its replica is being killed or
+  restarted is counted apart). With idempotency each turn carries an ``Idempotency-Key``, and a cut
+  turn is asked again with it on another replica: the answer follows the same message from its first
+  token (``openai_resumed_after_cut``); without, a cut turn ends its conversation.
 - ``verify``: every streamed message against SQL: stored, ended, same token ids and same text.
+- ``audit``: the users' chats in SQL against the ids the clients were given: generations that no
+  client was given, and duplicates (siblings of one role under one parent; chats no client knows).
 
 503 with Retry-After while the database is away is allowed (``User.call`` counts it apart); a 5xx
 without it is a failure, as are cut streams, lost/stuck messages, streamed != stored, and a worker
@@ -25,7 +30,7 @@ import contextlib
 import json
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -45,15 +50,18 @@ class Chatter(Protocol):
     headers: dict[str, str]
     tally: Any  # chaos.Tally
 
-    def url(self) -> str: ...
+    def url(self, avoid: str | None = None) -> str: ...
+    def new_key(self) -> str | None: ...
     async def login(self, client: httpx.AsyncClient) -> None: ...
-    async def call(self, client: httpx.AsyncClient, method: str, path: str, **kw: Any) -> httpx.Response | None: ...
+    async def call(
+        self, client: httpx.AsyncClient, method: str, path: str, key: str | None = None, **kw: Any
+    ) -> httpx.Response | None: ...
     def count_5xx(self, resp: httpx.Response, route: str) -> None: ...
-    def after_kill(self, mid: str, now: float) -> None: ...
 
 
 SERVING_WAIT_S = 30.0  # a worker that stores no reply this long after a restart is not serving again
 FAILURES = ("openai_cut_streams", "openai_lost", "openai_stuck", "openai_stream_differs", "workers_not_serving")
+IDEMPOTENCY_FAILURES = ("generations_no_client_received", "duplicate_messages")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -178,7 +186,8 @@ class OpenAITally:
     streamed: dict[str, Streamed] = field(default_factory=dict)  # message id -> what the stream gave
     done: int = 0
     cut: int = 0  # broke without [DONE]
-    cut_by_replica_kill: int = 0  # broke while its replica was killed (expected: no resume on /v1)
+    cut_by_replica_kill: int = 0  # broke while its replica was killed or restarted
+    resumed_after_cut: int = 0  # cut, asked again with its Idempotency-Key and read to [DONE]
     cut_reasons: Counter[str] = field(default_factory=Counter)
     differences: list[dict[str, Any]] = field(default_factory=list)  # the first few streamed != stored
     error_chunks: Counter[str] = field(default_factory=Counter)
@@ -190,34 +199,45 @@ class OpenAIUser:
     def __init__(self, user: Chatter, c: Any, otally: OpenAITally, tokens: int) -> None:
         self.user, self.cluster, self.otally, self.tokens = user, c, otally, tokens
         self.name, self.tally = user.name, user.tally
+        self.chats = 0
+        self.mid: str | None = None  # the message of the turn's stream, once its first chunk came
 
     async def run(self, client: httpx.AsyncClient, stop: asyncio.Event) -> None:
         await self.user.login(client)
         while not stop.is_set():
             history: list[dict[str, Any]] = []
+            self.chats += 1
             for turn in range(3):
                 if stop.is_set():
                     break
-                history.append({"role": "user", "content": f"{self.name} turn {turn}"})
+                history.append({"role": "user", "content": f"{self.name} chat {self.chats} turn {turn}"})
                 content = await self.turn(client, history)
                 if content is None:
                     break
                 history.append({"role": "assistant", "content": content})
 
     async def turn(self, client: httpx.AsyncClient, history: list[dict[str, Any]]) -> str | None:
-        """One streamed turn: the assembled content, or None if the stream did not end with [DONE]."""
+        """One streamed turn: the assembled content, or None if the stream did not end with [DONE] (or
+        was rewound: its text is not the stored one, so the conversation cannot go on from it)."""
         body = {"model": "tiny", "messages": history, "stream": True, "max_tokens": self.tokens, "ignore_eos": True}
+        key = self.user.new_key()
+        headers = {**self.user.headers, "Idempotency-Key": key} if key else self.user.headers
+        self.mid = None
+        asked = time.monotonic()
+        failed: str | None = None
+        cuts = 0
         for _ in range(60):
-            url = self.user.url()
+            url = self.user.url(avoid=failed)
             replica = self.cluster.replicas[self.cluster.urls.index(url)]
-            kills = replica.kills
+            kills, stops = replica.kills, replica.stops
             try:
                 async with client.stream(
-                    "POST", url + "/v1/chat/completions", json=body, headers=self.user.headers, timeout=60
+                    "POST", url + "/v1/chat/completions", json=body, headers=headers, timeout=60
                 ) as resp:
                     if resp.status_code >= 500:
                         await resp.aread()
                         self.user.count_5xx(resp, "POST v1")
+                        failed = url
                         await asyncio.sleep(float(resp.headers.get("Retry-After", "1")))
                         continue
                     if resp.status_code != 200:
@@ -225,21 +245,31 @@ class OpenAIUser:
                         self.tally.refused[str(resp.status_code)] += 1
                         await asyncio.sleep(1)
                         return None
-                    return await self._read(resp)
+                    content = await self._read(resp, asked)
+                    self.otally.resumed_after_cut += cuts > 0
+                    return content
             except httpx.ConnectError:  # its replica is down: the request never arrived
+                failed = url
                 await asyncio.sleep(0.5)
                 continue
             except (httpx.HTTPError, json.JSONDecodeError) as exc:
-                if replica.kills != kills or replica.proc is None or replica.proc.poll() is not None:
+                gone = replica.kills != kills or replica.stops != stops
+                if gone or replica.proc is None or replica.proc.poll() is not None:
                     self.otally.cut_by_replica_kill += 1
                 else:  # when and where, to find it in the servers' logs (their clocks are this one's)
                     self.otally.cut += 1
                     when = time.strftime("%H:%M:%S")
                     self.otally.cut_reasons[f"{repr(exc)[:120]} on {replica.name} at {when}"] += 1
-                return None
+                if key is None:
+                    break
+                cuts += 1  # the same request again, elsewhere: the same message, from its first token
+                failed = url
+                await asyncio.sleep(0.3)
+        if self.mid is not None:
+            self.tally.give_up(self.mid)
         return None
 
-    async def _read(self, resp: httpx.Response) -> str | None:
+    async def _read(self, resp: httpx.Response, asked: float) -> str | None:
         mid: str | None = None
         got: Streamed | None = None
         error = False
@@ -249,8 +279,9 @@ class OpenAIUser:
             data = line[6:]
             if data == "[DONE]":
                 self.otally.done += 1
-                if got is not None and mid is not None and not error:
+                if mid is not None:
                     self.tally.last_token_at.pop(mid, None)
+                if got is not None and not error and not got.reset:
                     return got.content
                 return None
             chunk = json.loads(data)
@@ -258,28 +289,30 @@ class OpenAIUser:
                 self.otally.error_chunks[str(chunk["error"].get("code"))] += 1
                 error = True
                 continue
+            info = chunk.get("tokentrail") or {}
             if mid is None:
-                mid = str(chunk["id"]).removeprefix("chatcmpl-")
-                info = chunk.get("tokentrail") or {}
-                got = self.otally.streamed.setdefault(mid, Streamed(info.get("chat_id", ""), "", []))
+                mid = self.mid = str(chunk["id"]).removeprefix("chatcmpl-")
+                self.tally.received.add(mid)
+                self.tally.asked_at.setdefault(mid, asked)
+                # a stream asked again (its Idempotency-Key) starts again from the first token
+                got = self.otally.streamed[mid] = Streamed(info.get("chat_id", ""), "", [])
             assert got is not None
-            if (chunk.get("tokentrail") or {}).get("chat_id"):  # the last chunk names the chat
-                got.chat_id = chunk["tokentrail"]["chat_id"]
-            if (chunk.get("tokentrail") or {}).get("reset_from") is not None:
+            if info.get("chat_id"):  # the last chunk names the chat
+                got.chat_id = info["chat_id"]
+                self.tally.received.add(got.chat_id)
+            if info.get("reset_from") is not None:
                 got.reset = True
             for choice in chunk.get("choices", []):
                 got.content += choice.get("delta", {}).get("content") or ""
                 ids = choice.get("token_ids") or []
                 if ids:
                     got.token_ids += ids
-                    now = time.monotonic()
-                    self.tally.last_token_at[mid] = now
-                    self.user.after_kill(mid, now)
+                    self.tally.token(mid, time.monotonic())
         raise httpx.RemoteProtocolError("the stream ended without [DONE]")
 
 
 # ---- after the run -----------------------------------------------------------------------------------
-async def verify(users: list[Chatter], otally: OpenAITally) -> dict[str, Any]:
+async def verify(users: Sequence[Chatter], otally: OpenAITally) -> dict[str, Any]:
     """Every streamed OpenAI message against SQL (through the API)."""
     lost = stuck = differs = unknown = 0
     final = {"complete", "aborted_by_worker", "cancelled", "timeout"}
@@ -312,6 +345,7 @@ async def verify(users: list[Chatter], otally: OpenAITally) -> dict[str, Any]:
         "openai_streams_done": otally.done,
         "openai_cut_streams": otally.cut,
         "openai_cut_by_replica_kill": otally.cut_by_replica_kill,
+        "openai_resumed_after_cut": otally.resumed_after_cut,
         "openai_cut_reasons": dict(otally.cut_reasons),
         "openai_error_chunks": dict(otally.error_chunks),
         "openai_unchecked": unknown,
@@ -334,4 +368,59 @@ def serving_summary(restarts: list[Restart]) -> dict[str, Any]:
             for r in restarts
         ],
         "workers_not_serving": sum(v is None for r in restarts for v in r.serving_after_s.values()),
+    }
+
+
+async def audit(database: str, users: Sequence[str], received: set[str]) -> dict[str, Any]:
+    """The users' chats in SQL against ``received`` (every chat and message id a client was given)."""
+    from sqlalchemy import bindparam, text
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    engine = create_async_engine(database)
+    query = text(
+        "SELECT c.id, m.id, m.parent_id, m.role, m.state FROM chats c LEFT JOIN messages m ON m.chat_id = c.id "
+        "WHERE c.user_id IN :users"
+    ).bindparams(bindparam("users", expanding=True))
+    rows: list[Any] = []
+    try:
+        for attempt in range(30):  # the database may be coming back from its last kill
+            try:
+                async with engine.connect() as conn:
+                    rows = list((await conn.execute(query, {"users": list(users)})).all())
+                break
+            except Exception:  # any driver error: try again
+                if attempt == 29:
+                    raise
+                await asyncio.sleep(1)
+    finally:
+        await engine.dispose()
+    known: set[str] = set()  # chats some client knows (its id, or one of its messages')
+    siblings: Counter[tuple[str, str | None, str]] = Counter()
+    orphans: list[str] = []
+    chats: set[str] = set()
+    for chat, mid, parent, role, state in rows:
+        chats.add(chat)
+        if chat in received or mid in received:
+            known.add(chat)
+        if mid is None:
+            continue
+        siblings[(chat, parent, role)] += 1
+        if role == "assistant" and state != "manual" and mid not in received:
+            orphans.append(mid)
+    extra = {k: n - 1 for k, n in siblings.items() if n > 1}
+    by_role: Counter[str] = Counter()
+    for (_, _, role), n in extra.items():
+        by_role[role] += n
+    unused = sorted(chats - known)
+    return {
+        "chats_in_sql": len(chats),
+        "generations_no_client_received": len(orphans),
+        "duplicate_messages": sum(extra.values()) + len(unused),
+        "duplicates_detail": {
+            "extra_siblings_by_role": dict(by_role),
+            "chats_no_client_knows": len(unused),
+            "examples": [f"chat {c} parent {p} role {r}: {n + 1}" for (c, p, r), n in list(extra.items())[:5]]
+            + [f"chat {c}: unknown to every client" for c in unused[:5]],
+            "orphan_generations": orphans[:5],
+        },
     }

@@ -5,7 +5,8 @@
                                [--connect all|one] [--schedule LIST] [--rolling N] [--no-idempotency]
 
 Real processes on one machine: PostgreSQL (tests/services.py: the local server or a private one;
-a fresh database), a private redis-server without persistence, ``--replicas`` server processes and
+a fresh database), a private redis-server without persistence (or, with ``--store sqlite --replicas 1
+--pg-kills 0``, embedded defaults: SQLite and an in-process queue, no Redis), ``--replicas`` server processes and
 ``--workers`` hf workers (the tiny chatml model), each worker connected to all replicas (it moves
 to the next one when its replica dies), or with ``--connect one`` worker i to replica i % replicas
 only (a dead replica's work then moves by the server's fail-over). Users chat in closed loops through
@@ -174,16 +175,17 @@ def cluster(
     logs: Path | None = None,
     database: str | None = None,
     connect: str = "all",
+    with_redis: bool = True,
 ) -> Iterator[Cluster]:
     """``connect``: ``all`` (each worker gets every replica's URL, its own first) or ``one`` (worker i
-    only replica i % replicas)."""
+    only replica i % replicas). Without Redis: embedded defaults (one replica, its queue in-process)."""
     from tests import services
 
     with contextlib.nullcontext(database) if database else services.postgres_service() as pg:
-        redis = services.RestartableRedis().start()
+        redis = services.RestartableRedis().start() if with_redis else None
         env = {
             "TOKENTRAIL_DATABASE_URL": pg,
-            "TOKENTRAIL_REDIS_URL": redis.url,
+            **({"TOKENTRAIL_REDIS_URL": redis.url} if redis is not None else {}),
             "TOKENTRAIL_AUTH_SECRET": SECRET,
             "TOKENTRAIL_ALLOW_DEBUG_AUTH": "true",
             "TOKENTRAIL_RATE_LIMIT_PER_MINUTE": "0",
@@ -229,7 +231,8 @@ def cluster(
         finally:
             for p in procs:
                 p.stop()
-            redis.stop()
+            if redis is not None:
+                redis.stop()
             if logs is not None:
                 logs.mkdir(parents=True, exist_ok=True)
                 for f in work.glob("*.log"):
@@ -511,7 +514,7 @@ async def chaos(
         if time.monotonic() - start >= duration:
             break
         at = time.monotonic()
-        if not redis_done and at >= redis_at:
+        if not redis_done and at >= redis_at and c.redis is not None:
             redis_done = True
             item = "redis"
         elif "engine" in faults and (not faults & {"worker", "replica"} or rng.random() < 1 / 3):
@@ -531,10 +534,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     every = tuple(float(x) for x in args.kill_every.split(","))
     schedule = parse_schedule(args.schedule, args.workers, args.replicas)
     idempotent = not args.no_idempotency
+    sqlite = args.store == "sqlite"
+    if sqlite and (args.replicas != 1 or args.pg_kills or (schedule and "redis" in schedule)):
+        raise SystemExit("--store sqlite is embedded defaults: --replicas 1 --pg-kills 0, and no Redis to kill")
     with (
         tempfile.TemporaryDirectory(prefix="tt-chaos-") as tmp,
-        chaos_postgres.database(args) as (database, pg),
-        cluster(Path(tmp), args.replicas, args.workers, model_dir, args.logs, database, args.connect) as c,
+        contextlib.nullcontext((f"sqlite+aiosqlite:///{tmp}/tokentrail.db", None))
+        if sqlite
+        else chaos_postgres.database(args) as (database, pg),
+        cluster(
+            Path(tmp), args.replicas, args.workers, model_dir, args.logs, database, args.connect, with_redis=not sqlite
+        ) as c,
     ):
         tally = Tally()
         stop = asyncio.Event()
@@ -647,6 +657,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48, help="tokens per reply")
     ap.add_argument("--settle", type=float, default=120.0, help="seconds for messages to end after the chaos")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--store",
+        choices=("postgres", "sqlite"),
+        default="postgres",
+        help="postgres: PostgreSQL + Redis; sqlite: embedded defaults (SQLite, no Redis; --replicas 1 --pg-kills 0)",
+    )
     ap.add_argument(
         "--faults", default="worker,replica,engine", help="what random kills pick from (Redis dies once anyway)"
     )

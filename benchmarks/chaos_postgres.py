@@ -396,6 +396,7 @@ async def audit(database: str, users: Sequence[str], received: set[str]) -> dict
         await engine.dispose()
     known: set[str] = set()  # chats some client knows (its id, or one of its messages')
     siblings: Counter[tuple[str, str | None, str]] = Counter()
+    states: dict[tuple[str, str | None, str], list[str]] = {}
     orphans: list[str] = []
     chats: set[str] = set()
     for chat, mid, parent, role, state in rows:
@@ -405,6 +406,7 @@ async def audit(database: str, users: Sequence[str], received: set[str]) -> dict
         if mid is None:
             continue
         siblings[(chat, parent, role)] += 1
+        states.setdefault((chat, parent, role), []).append(f"{mid}:{state}")
         if role == "assistant" and state != "manual" and mid not in received:
             orphans.append(mid)
     extra = {k: n - 1 for k, n in siblings.items() if n > 1}
@@ -419,7 +421,7 @@ async def audit(database: str, users: Sequence[str], received: set[str]) -> dict
         "duplicates_detail": {
             "extra_siblings_by_role": dict(by_role),
             "chats_no_client_knows": len(unused),
-            "examples": [f"chat {c} parent {p} role {r}: {n + 1}" for (c, p, r), n in list(extra.items())[:5]]
+            "examples": [f"chat {c} parent {p} role {r}: {states[(c, p, r)]}" for c, p, r in list(extra)[:5]]
             + [f"chat {c}: unknown to every client" for c in unused[:5]],
             "orphan_generations": orphans[:5],
         },

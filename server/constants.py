@@ -17,6 +17,8 @@ WORK_DEQ_COUNTER = PREFIX + "work:{model}:deq"
 WORK_TICKET = PREFIX + "ticket:{message_id}"
 # Tokens of one message: a stream with explicit IDs 0-<end index> (DESIGN D4).
 TOKEN_STREAM = PREFIX + "tokens:{message_id}"
+# Where a new attempt restarted a lost token stream (readers that hold later tokens are reset).
+TOKEN_RESTART = PREFIX + "tokens-restart:{message_id}"
 # Models offered by connected workers: hash field per worker, refreshed by heartbeats.
 WORKER_DIRECTORY = PREFIX + "workers"
 MODELS_SEEN = PREFIX + "models_seen"  # model -> wall-clock time a worker last offered it

@@ -4,6 +4,8 @@
   it lost (``released``); the reader whose SSE connection broke resumes on the other replica with
   Last-Event-ID. The reply is continued from the streamed tokens, not redone.
 - A worker dies mid-stream: its reply is resumed by the other worker.
+- An embedded server (SQLite, streams in memory) dies mid-reply: the reply starts over, and its
+  resuming reader is reset onto the new attempt.
 - A replica dies and stays down while its worker can reach no other: the other replica presumes it
   dead when its presence expires and hands the reply to its own worker (not waiting for the sweep).
 
@@ -115,7 +117,7 @@ class Reader(threading.Thread):
         self.urls, self.path, self.headers = urls, path, headers
         self.tokens: dict[int, int] = {}
         self.final: dict[str, Any] | None = None
-        self.resumes = self.duplicates = 0
+        self.resumes = self.duplicates = self.resets = 0
 
     def run(self) -> None:
         last, turn = -1, 0
@@ -146,6 +148,7 @@ class Reader(threading.Thread):
             self.tokens[index] = int(event["token_id"])
             return max(last, index)
         if kind == "reset":
+            self.resets += 1
             start = int(event["from_index"])
             for index in [i for i in self.tokens if i >= start]:
                 del self.tokens[index]
@@ -226,3 +229,41 @@ def test_a_dead_replicas_work_moves_to_a_worker_of_another_replica(cluster: Clus
     moved = replies[attempts.index(2)][1]
     assert "gone: requeueing " + moved in c.log("server-1")  # the fail-over moved it, not the sweep
     assert all(r.resumes == 0 for r in readers)  # their replica never went away
+
+
+def test_a_reader_of_an_embedded_server_that_died_is_reset_onto_the_new_attempt(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Embedded defaults (SQLite, streams in memory): SIGKILL the server mid-reply and start it again.
+    The tokens streamed so far died with it, so the next attempt starts the reply over; the reader,
+    resuming with Last-Event-ID, must be told to drop what it holds (a reset) and end up with exactly
+    the stored reply."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {"TOKENTRAIL_DATA_DIR": str(tmp_path)}
+    key_log = tmp_path / "key.log"
+    assert spawn(["admin", "create-worker-key", "--name", "w"], env=env, output=key_log).wait(timeout=120) == 0
+    key = key_log.read_text().split()[-1]
+    serve = ["serve", "--port", str(port), "--log-level", "warning"]
+    procs = {"server": spawn(serve, env=env, output=tmp_path / "server.log")}
+    try:
+        wait_for(lambda: _status(url, "/health") == 200, 60, "server")
+        args = ["worker", "--server-url", url, "--api-key", key, "--model", str(tiny_model_dir),
+                "--served-model-name", MODEL, "--max-parallel", "1", "--threads", "1"]  # fmt: skip
+        procs["worker"] = spawn(args, env={"OMP_NUM_THREADS": "1"}, output=tmp_path / "worker.log")
+        wait_for(lambda: _offered(url), 120, "worker")
+        headers = login(url, "embedded-crash")
+        chat, mid = start_reply(url, headers, MODEL, TOKENS)
+        reader = Reader([url], f"/chats/{chat}/messages/{mid}/events", headers)
+        reader.start()
+        wait_for(lambda: _streaming(reader), 60, "the reply to stream")
+        procs["server"].send_signal(signal.SIGKILL)
+        procs["server"].wait()
+        procs["server"] = spawn(serve, env=env, output=tmp_path / "server.log", append=True)
+        assert _check(url, headers, chat, mid, reader) >= 2
+        assert reader.resets >= 1
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()

@@ -331,3 +331,13 @@ async def test_memory_reads_that_time_out_or_are_cancelled_leave_no_waiter_behin
     for entries in await asyncio.wait_for(asyncio.gather(*readers), timeout=1):
         assert [e.token_ids for e in entries if isinstance(e, TokenBatch)] == [[102]]
     assert not streams._streams[mid].waiters
+
+
+async def test_restart_drops_what_is_left_and_is_remembered(streams: TokenStreams, mid: str) -> None:
+    assert await streams.restarted_at(mid) is None
+    await streams.append(mid, batch(0, 4))
+    await streams.restart(mid, 0, 3)  # attempt 3 streams the message again from its first token
+    assert await streams.restarted_at(mid) == (0, 3)
+    assert await streams.length(mid) == 0
+    await streams.append(mid, batch(0, 2))
+    assert starts(await streams.read(mid, after=-1, timeout_s=0)) == [0]

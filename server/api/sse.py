@@ -16,7 +16,7 @@ import orjson
 from pydantic import BaseModel
 from sse_starlette import ServerSentEvent
 
-from server.chats.follow import Waiting, follow
+from server.chats.follow import Waiting, follow, reset_for
 from server.chats.repository import message_to_read
 from server.models import Message, MessageTokens
 from server.outages import is_unavailable
@@ -111,6 +111,9 @@ async def message_events(state: AppState, msg: Message, after: int) -> AsyncIter
 
 async def _message_events(state: AppState, msg: Message, after: int) -> AsyncIterator[ServerSentEvent | bytes]:
     if msg.state in FINISHED_STATES and not await state.streams.exists(msg.id):
+        if (start := await reset_for(state, msg.id, after)) is not None:
+            after = start - 1  # it holds tokens of a stream that was lost: all of the reply again
+            yield _event(ResetEvent(from_index=start))
         for ev in await _final_events(state, msg.id, after):
             yield ev
         return

@@ -47,17 +47,41 @@ class Ended:
 async def follow(
     state: AppState, message_id: str, after: int = -1
 ) -> AsyncIterator[TokenBatch | StreamReset | Waiting | Ended]:
-    """The new token batches after index ``after``, resets and empty waits, then ``Ended``."""
+    """The new token batches after index ``after``, resets and empty waits, then ``Ended``.
+
+    A reader may hold tokens of a stream that was lost and restarted by a new attempt (a restarted
+    embedded server, a Redis restart): it is told to drop them (a ``StreamReset``) when it resumes
+    after the restart, and, when the restart comes while it follows, before the first entries it
+    takes after starting or after an empty wait (an entry straight after a restart always follows one
+    of those: the reader's connection broke, or it waited for the new attempt)."""
+    seen = await state.streams.restarted_at(message_id)
+    if after >= 0 and seen is not None and seen[0] <= after:
+        yield StreamReset(seen[0])
+        after = seen[0] - 1
+    check = True  # look for a restart (since ``seen``) before taking the next entries
     empty = 0
     while True:
         entries = await state.streams.read(message_id, after, timeout_s=state.settings.pending_event_interval_s)
+        if check:
+            check = False
+            mark = await state.streams.restarted_at(message_id)
+            if mark != seen:
+                seen = mark
+                if mark is not None and mark[0] <= after:
+                    yield StreamReset(mark[0])
+                    after = mark[0] - 1
+                    continue
         if not entries:
             empty += 1
+            check = True
             if (
                 empty % _DB_RECHECK_EVERY == 0
                 and await _ended_in_db(state, message_id)
                 and not await state.streams.exists(message_id)
             ):
+                mark = await state.streams.restarted_at(message_id)
+                if mark != seen and mark is not None and mark[0] <= after:
+                    yield StreamReset(mark[0])  # the reader finishes from SQL: all of the new attempt
                 yield Ended(replay=True)
                 return
             yield Waiting()
@@ -74,6 +98,15 @@ async def follow(
             elif isinstance(entry, StreamDone):
                 yield Ended(replay=False)
                 return
+
+
+async def reset_for(state: AppState, message_id: str, after: int) -> int | None:
+    """Where a reader resuming after index ``after`` must be reset to (the stream it read from was
+    lost and restarted), or None."""
+    if after < 0:
+        return None
+    mark = await state.streams.restarted_at(message_id)
+    return mark[0] if mark is not None and mark[0] <= after else None
 
 
 async def load(state: AppState, message_id: str) -> Finished | None:

@@ -15,7 +15,7 @@ import asyncio
 import bisect
 import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -90,6 +90,9 @@ def _wake(waiters: Iterable[asyncio.Future[None]]) -> None:
             w.set_result(None)
 
 
+_MAX_RESTARTS = 100_000  # restart marks kept (they matter for as long as readers may resume)
+
+
 class MemoryTokenStreams:
     """Token streams of one process; finished ones are forgotten ``expire_after_s`` later. A read's
     timeout ends up to ``tick_s`` late (see ``_Ticks``)."""
@@ -100,6 +103,7 @@ class MemoryTokenStreams:
         self._streams: dict[str, _Stream] = {}
         # (expires_at, message_id, stream) in finish order; a constant TTL keeps it sorted.
         self._expiry: deque[tuple[float, str, _Stream]] = deque()
+        self._restarts: OrderedDict[str, tuple[int, int]] = OrderedDict()  # message -> (from, attempt)
 
     def _sweep(self) -> None:
         now = time.monotonic()
@@ -189,6 +193,16 @@ class MemoryTokenStreams:
         empty = not stream.batches and stream.done is None
         if empty and stream.readers == 0 and self._streams.get(message_id) is stream:
             del self._streams[message_id]
+
+    async def restart(self, message_id: str, from_index: int, attempt: int) -> None:
+        self._streams.pop(message_id, None)
+        self._restarts[message_id] = (from_index, attempt)
+        self._restarts.move_to_end(message_id)
+        while len(self._restarts) > _MAX_RESTARTS:
+            self._restarts.popitem(last=False)
+
+    async def restarted_at(self, message_id: str) -> tuple[int, int] | None:
+        return self._restarts.get(message_id)
 
     async def exists(self, message_id: str) -> bool:
         return self._live(message_id) is not None

@@ -92,4 +92,14 @@ class TokenStreams(Protocol):
 
     async def exists(self, message_id: str) -> bool: ...
 
+    async def restart(self, message_id: str, from_index: int, attempt: int) -> None:
+        """Attempt ``attempt`` streams the message again from ``from_index`` (what is left of the stream
+        is dropped): the tokens a reader may hold from there on were lost with the stream (a restarted
+        embedded server, a Redis restart)."""
+        ...
+
+    async def restarted_at(self, message_id: str) -> tuple[int, int] | None:
+        """The last ``restart``: ``(from_index, attempt)``; None if the stream was never restarted."""
+        ...
+
     async def close(self) -> None: ...

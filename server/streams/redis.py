@@ -20,10 +20,12 @@ from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 from redis.typing import EncodableT
 
-from server.constants import TOKEN_STREAM
+from server.constants import TOKEN_RESTART, TOKEN_STREAM
 from server.queue.redis import max_block_s, stream_entries, text
 from server.streams.protocol import StreamConflict, StreamDone, StreamEntry, TokenBatch
 from server.streams.redis_mux import StreamMux
+
+_RESTART_TTL_MS = 24 * 3600 * 1000  # a restart mark outlives any reader that may resume
 
 # ARGV: start, end, ttl ms, field/value pairs. Returns {1, end} or {0, length} (-1: finished).
 _APPEND = """
@@ -207,6 +209,19 @@ class RedisTokenStreams:
 
     async def exists(self, message_id: str) -> bool:
         return bool(await self.redis.exists(TOKEN_STREAM.format(message_id=message_id)))
+
+    async def restart(self, message_id: str, from_index: int, attempt: int) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(TOKEN_STREAM.format(message_id=message_id))  # what is left of the lost stream
+            pipe.set(TOKEN_RESTART.format(message_id=message_id), f"{from_index}:{attempt}", px=_RESTART_TTL_MS)
+            await pipe.execute()
+
+    async def restarted_at(self, message_id: str) -> tuple[int, int] | None:
+        value = await self.redis.get(TOKEN_RESTART.format(message_id=message_id))
+        if value is None:
+            return None
+        start, _, attempt = text(value).partition(":")
+        return int(start), int(attempt)
 
     async def close(self) -> None:
         await self._mux.close()

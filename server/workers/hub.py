@@ -551,6 +551,8 @@ class WorkerHub:
             return False
         # only a retry can find tokens of an earlier attempt in the stream
         resume = await self._resume_state(work.message_id, conn) if item.attempt > 1 else None
+        if item.attempt > 1 and resume is None:  # nothing to resume from: readers may hold lost tokens
+            await self.streams.restart(work.message_id, 0, item.attempt)
         if item.attempt == 1:
             self.metrics.queue_wait.labels(item.model).observe(seconds_since(work.created_at))
             outcome = "unrouted" if not item.lane else "preferred" if item.lane == conn.id else "handed_over"
@@ -574,6 +576,8 @@ class WorkerHub:
         entries = await self.streams.read(message_id, -1, timeout_s=0)
         for e in entries:
             if isinstance(e, TokenBatch):
+                if e.start > len(ids):  # the stream lost its beginning (a Redis restart): start over
+                    return None
                 skip = len(ids) - e.start
                 ids += e.token_ids[skip:]
                 lps += e.logprobs[skip:]

@@ -151,10 +151,14 @@ async def once(
     session: AsyncSession,
     create: Callable[[], Awaitable[T]],
     replay: Callable[[dict[str, Any]], Awaitable[T]],
+    *,
+    looked: bool = False,
 ) -> T:
     """``create`` (which stores the record through ``record`` or ``step``), unless the key's request was
-    made already: then ``replay`` of its result, also when it wins a race with this one."""
-    if idem is not None and (found := await idem.find(session)) is not None:
+    made already: then ``replay`` of its result, also when it wins a race with this one. ``looked``:
+    the caller found no record a moment ago (it checks before its own validation: a retry is answered
+    even when what the first request needed, such as a connected worker, is gone meanwhile)."""
+    if idem is not None and not looked and (found := await idem.find(session)) is not None:
         return await replay(found)
     try:
         return await create()

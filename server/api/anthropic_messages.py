@@ -23,7 +23,7 @@ from server.openai.choices import collect
 from server.openai.params import require_model, rpc_call, sampling_params, unsupported
 from server.openai.render import dumps
 from server.openai.streaming import event_stream
-from server.openai.turns import start_turn
+from server.openai.turns import replayed_turn, start_turn
 from shared.anthropic_api import ANTHROPIC_ERROR_RESPONSES, CountTokensRequest, MessagesRequest
 from shared.api import MAX_NEW_TOKENS_LIMIT, check_tools
 from shared.errors import ErrorCode
@@ -58,7 +58,9 @@ async def create_message(
     hint: SessionHint,
     idem: Idempotency,
 ) -> Response:
-    await require_model(state, body.model)
+    replayed = await replayed_turn(state, session, idem)  # a retry: answered as the first request was
+    if replayed is None:
+        await require_model(state, body.model)
     _refuse_unsupported(body)
     request = to_chat(body.system, body.messages, body.tools, body.tool_choice)
     try:
@@ -71,7 +73,9 @@ async def create_message(
     # max_tokens is an upper bound: tokentrail's own ceiling (and the model's context) may end sooner
     sampling = sampling_params(knobs, min(body.max_tokens, MAX_NEW_TOKENS_LIMIT), 0)
     kwargs = body.chat_template_kwargs or None
-    turn = await start_turn(
+    if replayed is not None:
+        await session.close()
+    turn = replayed or await start_turn(
         state,
         session,
         user.id,

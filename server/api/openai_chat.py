@@ -36,7 +36,7 @@ from server.openai.render import (
     usage,
 )
 from server.openai.streaming import SSE_DONE, error_chunk, event_stream, merged, sse
-from server.openai.turns import start_turn
+from server.openai.turns import Turn, replayed_turn, start_turn
 from server.state import AppState
 from server.streams.protocol import StreamReset, TokenBatch
 from shared.api import MessageState, check_tools
@@ -115,6 +115,31 @@ async def _chat(
     hint: str | None,
     idem: IdempotencyKey | None,
 ) -> Response:
+    turn = await replayed_turn(state, session, idem)
+    if turn is None:
+        turn = await _new_turn(body, user_id, session, state, client_tokens=client_tokens, hint=hint, idem=idem)
+    else:
+        await session.close()
+    ids = turn.message_ids
+    ctx = _ChatContext(body, f"chatcmpl-{ids[0]}", turn.created, turn.forked, turn.info())
+    if body.stream:
+        chunks = merged([ctx.choice_chunks(state, i, mid) for i, mid in enumerate(ids)])
+        return event_stream(ctx.stream(chunks), state.metrics)
+    results = await asyncio.gather(*(collect(state, mid) for mid in ids))
+    return Response(dumps(ctx.body(results)), media_type="application/json")
+
+
+async def _new_turn(
+    body: ChatCompletionRequest,
+    user_id: str,
+    session: Any,
+    state: AppState,
+    *,
+    client_tokens: list[int] | None,
+    hint: str | None,
+    idem: IdempotencyKey | None,
+) -> Turn:
+    """The request checked, admitted and stored (its assistant messages queued)."""
     await require_model(state, body.model)
     if body.response_format and body.response_format.get("type") not in (None, "text"):
         raise unsupported("response_format", "structured output is not supported; omit it or use type text")
@@ -131,7 +156,7 @@ async def _chat(
     top = (body.top_logprobs or 0) if body.logprobs else 0
     sampling = sampling_params(body, body.max_completion_tokens or body.max_tokens, top)
     kwargs = body.chat_template_kwargs or None
-    turn = await start_turn(
+    return await start_turn(
         state,
         session,
         user_id,
@@ -148,13 +173,6 @@ async def _chat(
         required_prefix_ids=body.required_prefix_token_ids,
         session_key=session_key(body.prompt_cache_key) or hint,
     )
-    ids = turn.message_ids
-    ctx = _ChatContext(body, f"chatcmpl-{ids[0]}", turn.created, turn.forked, turn.info())
-    if body.stream:
-        chunks = merged([ctx.choice_chunks(state, i, mid) for i, mid in enumerate(ids)])
-        return event_stream(ctx.stream(chunks), state.metrics)
-    results = await asyncio.gather(*(collect(state, mid) for mid in ids))
-    return Response(dumps(ctx.body(results)), media_type="application/json")
 
 
 class _ChatContext:

@@ -98,7 +98,8 @@ async def _commit_raw(
     its generations: their message ids, and the request's time."""
     ids, created = [m.id for m in pending], int(time.time())
     if idem is not None:
-        await idem.record(session, {"message_ids": ids, "created": created})
+        model = pending[0].model_config_name
+        await idem.record(session, {"message_ids": ids, "created": created, "model": model})
     await session.commit()
     state.paths.remember(prompts)
     await enqueue(state, pending)
@@ -111,12 +112,25 @@ async def _replay_raw(state: AppState, result: dict[str, Any]) -> tuple[list[str
     return ids, int(result["created"])
 
 
+async def _replayed_raw(
+    state: AppState, session: AsyncSession, idem: IdempotencyKey | None
+) -> tuple[list[str], int, str] | None:
+    """What a raw-prompt request with this key made already (a retry): message ids, time, model. Asked
+    before the route's own checks, so that a retry is answered whatever changed meanwhile."""
+    if idem is None or (found := await idem.find(session)) is None:
+        return None
+    ids, created = await _replay_raw(state, found)
+    return ids, created, str(found["model"])
+
+
 # ---- /v1/completions ------------------------------------------------------------------------------
 @router.post("/v1/completions")
 async def completions(
     body: CompletionRequest, user: CurrentUser, session: SessionDep, state: StateDep, idem: Idempotency
 ) -> Response:
-    await require_model(state, body.model)
+    replayed = await _replayed_raw(state, session, idem)
+    if replayed is None:
+        await require_model(state, body.model)
     if body.suffix:
         raise unsupported("suffix", "insertion (suffix) is not supported")
     if body.best_of is not None and body.best_of != body.n:
@@ -163,7 +177,10 @@ async def completions(
             prompt_msgs.append(prompt_msg)
         return await _commit_raw(state, session, idem, prompt_msgs, pending)
 
-    ids, created = await once(idem, session, create, functools.partial(_replay_raw, state))
+    if replayed is None:
+        ids, created = await once(idem, session, create, functools.partial(_replay_raw, state), looked=True)
+    else:
+        ids, created, _ = replayed
     await session.close()  # generation may take minutes; the followers open their own sessions
     jobs = [_Job(i, mid, echoes[i // body.n] if body.echo else "") for i, mid in enumerate(ids)]
     ctx = _CompletionContext(body, f"cmpl-{jobs[0].message_id}", created, top)
@@ -301,7 +318,8 @@ async def generate(
 ) -> Response:
     """vLLM's tokens-in route: generation from the given token ids, with vLLM's ``sampling_params``,
     answered in vLLM's shape (``output_mode`` tokens or text)."""
-    model = await resolve_model(state, body.model)
+    replayed = await _replayed_raw(state, session, idem)
+    model = replayed[2] if replayed is not None else await resolve_model(state, body.model)
     sp = body.sampling_params
     extra = sp.model_extra or {}
     for name, what in _GENERATE_REFUSED.items():
@@ -343,7 +361,11 @@ async def generate(
         )
         return await _commit_raw(state, session, idem, [prompt_msg], msgs)
 
-    message_ids, created = await once(idem, session, create, functools.partial(_replay_raw, state))
+    if replayed is None:
+        replay = functools.partial(_replay_raw, state)
+        message_ids, created = await once(idem, session, create, replay, looked=True)
+    else:
+        message_ids, created, _ = replayed
     await session.close()
     shape = _GenerateShape(body, body.request_id or f"gen-{message_ids[0]}", model)
     if body.stream:

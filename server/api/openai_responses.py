@@ -41,7 +41,7 @@ from server.openai.responses_render import (
 )
 from server.openai.responses_stream import ResponseEvents
 from server.openai.streaming import event_stream
-from server.openai.turns import start_turn
+from server.openai.turns import replayed_turn, start_turn
 from shared.api import MessageState, WorkParameters
 from shared.errors import ErrorCode
 from shared.responses_api import ResponsesRequest
@@ -126,7 +126,9 @@ async def create_response(
     hint: SessionHint,
     idem: Idempotency,
 ) -> Response:
-    await require_model(state, body.model)
+    replayed = await replayed_turn(state, session, idem)  # a retry: answered as the first request was
+    if replayed is None:
+        await require_model(state, body.model)
     refuse_unsupported(body)
     prev = await _previous(session, user.id, body.previous_response_id) if body.previous_response_id else None
     tools = chat_tools(body.tools) if body.tools is not None or prev is None else prev.work.tools
@@ -140,7 +142,9 @@ async def create_response(
     )
     conv = conversation(tr)
     sampling = sampling_params(body, body.max_output_tokens or body.max_tokens, 0)
-    turn = await start_turn(
+    if replayed is not None:
+        await session.close()
+    turn = replayed or await start_turn(
         state,
         session,
         user.id,

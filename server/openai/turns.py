@@ -9,6 +9,7 @@ followed from their first token)."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
@@ -73,7 +74,7 @@ async def start_turn(
     required_prefix_ids: list[int] | None = None,
     session_key: str | None = None,
 ) -> Turn:
-    """``admission`` runs before anything is stored, and not for a retry of a stored turn."""
+    """``admission`` runs before anything is stored. The caller asked ``replayed_turn`` first."""
     created = int(time.time())
 
     def claim(cont: Continued) -> Step:
@@ -105,11 +106,21 @@ async def start_turn(
         await enqueue(state, cont.assistants, holder=cont.holder, session_key=session_key)
         return Turn.of(cont, created)
 
-    async def replay(result: dict[str, Any]) -> Turn:
-        turn = Turn(**result)
-        await ensure_queued(state, turn.message_ids)
-        return turn
-
-    turn = await once(idem, session, create, replay)
+    turn = await once(idem, session, create, functools.partial(_replay, state), looked=True)
     await session.close()
+    return turn
+
+
+async def replayed_turn(state: AppState, session: AsyncSession, idem: IdempotencyKey | None) -> Turn | None:
+    """The turn a request with this key made already (a retry), or None. Routes ask first, before
+    their own checks: the retry is answered as the first request was, whatever changed meanwhile
+    (the model's workers gone for a moment, the user's rate). The caller closes the session."""
+    if idem is None or (found := await idem.find(session)) is None:
+        return None
+    return await _replay(state, found)
+
+
+async def _replay(state: AppState, result: dict[str, Any]) -> Turn:
+    turn = Turn(**result)
+    await ensure_queued(state, turn.message_ids)
     return turn

@@ -179,6 +179,7 @@ class Streamed:
     content: str
     token_ids: list[int]
     reset: bool = False  # a retry rewound the stream: its text is not compared
+    tool_calls: bool = False  # the reply made tool calls (parsed from the tiny model's random text)
 
 
 @dataclass
@@ -191,6 +192,7 @@ class OpenAITally:
     cut_reasons: Counter[str] = field(default_factory=Counter)
     differences: list[dict[str, Any]] = field(default_factory=list)  # the first few streamed != stored
     error_chunks: Counter[str] = field(default_factory=Counter)
+    tool_call_turns: int = 0  # replies with tool calls: their conversation ends (no tool runs here)
 
 
 class OpenAIUser:
@@ -281,6 +283,9 @@ class OpenAIUser:
                 self.otally.done += 1
                 if mid is not None:
                     self.tally.last_token_at.pop(mid, None)
+                if got is not None and got.tool_calls:
+                    self.otally.tool_call_turns += 1  # echoing only its text would fork the conversation
+                    return None
                 if got is not None and not error and not got.reset:
                     return got.content
                 return None
@@ -304,6 +309,7 @@ class OpenAIUser:
                 got.reset = True
             for choice in chunk.get("choices", []):
                 got.content += choice.get("delta", {}).get("content") or ""
+                got.tool_calls |= bool(choice.get("delta", {}).get("tool_calls"))
                 ids = choice.get("token_ids") or []
                 if ids:
                     got.token_ids += ids
@@ -346,6 +352,7 @@ async def verify(users: Sequence[Chatter], otally: OpenAITally) -> dict[str, Any
         "openai_cut_streams": otally.cut,
         "openai_cut_by_replica_kill": otally.cut_by_replica_kill,
         "openai_resumed_after_cut": otally.resumed_after_cut,
+        "openai_tool_call_turns": otally.tool_call_turns,
         "openai_cut_reasons": dict(otally.cut_reasons),
         "openai_error_chunks": dict(otally.error_chunks),
         "openai_unchecked": unknown,
@@ -409,7 +416,18 @@ async def audit(database: str, users: Sequence[str], received: set[str]) -> dict
         states.setdefault((chat, parent, role), []).append(f"{mid}:{state}")
         if role == "assistant" and state != "manual" and mid not in received:
             orphans.append(mid)
-    extra = {k: n - 1 for k, n in siblings.items() if n > 1}
+    # A client-written assistant message beside another is a fork (the client's history left the stored
+    # one), not a request made twice: reported apart. Generated siblings are duplicates, as are any
+    # siblings of another role.
+    forks: set[tuple[str, str | None, str]] = set()
+    extra: dict[tuple[str, str | None, str], int] = {}
+    for k, n in siblings.items():
+        written = sum(x.endswith(":manual") for x in states[k]) if k[2] == "assistant" else 0
+        if written and n > 1:
+            forks.add(k)
+        twice = n - 1 if not written else max(n - written - 1, 0)
+        if twice > 0:
+            extra[k] = twice
     by_role: Counter[str] = Counter()
     for (_, _, role), n in extra.items():
         by_role[role] += n
@@ -418,6 +436,7 @@ async def audit(database: str, users: Sequence[str], received: set[str]) -> dict
         "chats_in_sql": len(chats),
         "generations_no_client_received": len(orphans),
         "duplicate_messages": sum(extra.values()) + len(unused),
+        "forked_turns": len(forks),
         "duplicates_detail": {
             "extra_siblings_by_role": dict(by_role),
             "chats_no_client_knows": len(unused),

@@ -49,6 +49,7 @@ class Chatter(Protocol):
     name: str
     headers: dict[str, str]
     tally: Any  # chaos.Tally
+    idempotent: bool
 
     def url(self, avoid: str | None = None) -> str: ...
     def new_key(self) -> str | None: ...
@@ -193,6 +194,12 @@ class OpenAITally:
     differences: list[dict[str, Any]] = field(default_factory=list)  # the first few streamed != stored
     error_chunks: Counter[str] = field(default_factory=Counter)
     tool_call_turns: int = 0  # replies with tool calls: their conversation ends (no tool runs here)
+    retried_after_error: int = 0  # ended with a retryable error chunk (not_ready), asked again with the key
+
+
+class RetryableChunk(Exception):
+    """The stream ended with an error a client retries (a backing service away): with its
+    Idempotency-Key, asking again follows the same message."""
 
 
 class OpenAIUser:
@@ -254,6 +261,11 @@ class OpenAIUser:
                 failed = url
                 await asyncio.sleep(0.5)
                 continue
+            except RetryableChunk:  # the same request again: the same message, from its first token
+                self.otally.retried_after_error += 1
+                failed = url
+                await asyncio.sleep(1.0)
+                continue
             except (httpx.HTTPError, json.JSONDecodeError) as exc:
                 gone = replica.kills != kills or replica.stops != stops
                 if gone or replica.proc is None or replica.proc.poll() is not None:
@@ -291,7 +303,10 @@ class OpenAIUser:
                 return None
             chunk = json.loads(data)
             if "error" in chunk:
-                self.otally.error_chunks[str(chunk["error"].get("code"))] += 1
+                code = str(chunk["error"].get("code"))
+                self.otally.error_chunks[code] += 1
+                if code == "not_ready" and self.user.idempotent:
+                    raise RetryableChunk(code)
                 error = True
                 continue
             info = chunk.get("tokentrail") or {}
@@ -353,6 +368,7 @@ async def verify(users: Sequence[Chatter], otally: OpenAITally) -> dict[str, Any
         "openai_cut_by_replica_kill": otally.cut_by_replica_kill,
         "openai_resumed_after_cut": otally.resumed_after_cut,
         "openai_tool_call_turns": otally.tool_call_turns,
+        "openai_retried_after_error": otally.retried_after_error,
         "openai_cut_reasons": dict(otally.cut_reasons),
         "openai_error_chunks": dict(otally.error_chunks),
         "openai_unchecked": unknown,

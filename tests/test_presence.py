@@ -21,8 +21,8 @@ async def test_expired_presence_is_dead_and_a_new_redis_presumes_nobody_dead(red
     try:
         await redis.delete(SERVER_EPOCH)  # as after a restart: Redis is new
         pa, pb = RedisPresence(redis, a, 0.3), RedisPresence(redis, b, 0.3)
-        await pa.beat()
-        await pb.beat()
+        assert await pa.beat()  # it found Redis new: the queue lost what it held
+        assert not await pb.beat()
         assert await pa.dead({a, b, "never-seen"}) == set()  # the epoch is younger than the grace
         await asyncio.sleep(0.7)
         await pa.beat()

@@ -72,6 +72,46 @@ def test_messages_queued_in_a_redis_that_restarts_empty_are_requeued(
         server.stop()
 
 
+def test_a_redis_that_came_back_empty_has_its_pending_messages_queued_at_once(
+    private_redis: RestartableRedis, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """As above with the sweep kept out of the way: the server's presence beat finds Redis new and
+    queues the pending messages it lost itself."""
+    settings = ServerSettings(
+        data_dir=tmp_path,
+        port=free_port(),
+        redis_url=private_redis.url,
+        auth_secret="sweep-test-secret-0123456789abcdef",
+        allow_debug_auth=True,
+        worker_heartbeat_interval_s=0.5,
+        sweep_interval_s=3600.0,
+        sweep_grace_s=3600.0,
+    )
+    server = ServerThread(settings).start()
+    key = worker_key(settings)
+    idle = IdleWorker(server.url, key).start()
+    try:
+        headers = login(server.url, "redis-new")
+        chat, prompt = new_turn(server.url, headers)
+        reply = ask(server.url, headers, chat, prompt)
+        assert reply.status_code == 200, reply.text
+        idle.stop()
+        private_redis.kill()
+        private_redis.start()
+        fmt = ChatFormat.load(str(tiny_model_dir))
+        worker = WorkerThread(
+            server.url, key, MODEL, fmt, lambda: HFEngine(str(tiny_model_dir), max_batch_size=4)
+        ).start()
+        try:
+            mid = reply.json()["id"]
+            final = events(server.url, f"/chats/{chat}/messages/{mid}/events", headers)[-1]
+            assert final["event_type"] == "message", final
+        finally:
+            worker.stop()
+    finally:
+        server.stop()
+
+
 def test_a_model_whose_workers_left_is_queued_for_a_grace_period(tmp_path: Path) -> None:
     settings = ServerSettings(
         data_dir=tmp_path, port=free_port(), model_grace_s=3.0, sweep_interval_s=0.5, sweep_grace_s=0.5

@@ -7,7 +7,9 @@ expired: a survivor then fences and requeues the messages its workers were gener
 name the process that minted them (``w-<server id>-...``), so the database says whose work a message is.
 
 A Redis restart loses every presence key at once; an epoch key (no TTL) tells survivors that Redis is
-new, and no process is presumed dead until every live one has had time to refresh. Presuming a live but
+new, and no process is presumed dead until every live one has had time to refresh. The beat that sets
+the epoch tells its process that the queue lost what it held, so that the pending messages are queued
+again at once rather than at the sweep. Presuming a live but
 stalled process dead costs a restarted attempt, never a reply: the old attempt is fenced off and the
 next one resumes after the tokens already streamed.
 
@@ -23,15 +25,12 @@ from redis.asyncio import Redis
 from server.constants import SERVER_EPOCH, SERVER_PRESENCE
 
 # KEYS[1] epoch key; ARGV[1] grace ms, ARGV[2..] presence keys. Returns the keys that are absent,
-# none while the epoch is younger than the grace (Redis came back empty a moment ago).
+# none while the epoch is missing or younger than the grace (Redis came back empty a moment ago).
 _ABSENT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local epoch = redis.call('GET', KEYS[1])
-if not epoch then
-  redis.call('SET', KEYS[1], now)
-  return {}
-end
+if not epoch then return {} end
 if now - tonumber(epoch) < tonumber(ARGV[1]) then return {} end
 local out = {}
 for i = 2, #ARGV do
@@ -39,17 +38,20 @@ for i = 2, #ARGV do
 end
 return out
 """
+# Refresh KEYS[1] for ARGV[1] ms; 1 when this beat found no epoch KEYS[2] (Redis is new) and set it.
 _BEAT = """
 local t = redis.call('TIME')
-redis.call('SET', KEYS[2], tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), 'NX')
+local new = redis.call('SET', KEYS[2], tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), 'NX')
 redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
-return 1
+if new then return 1 end
+return 0
 """
 
 
 class Presence(Protocol):
-    async def beat(self) -> None:
-        """Refresh this process's presence."""
+    async def beat(self) -> bool:
+        """Refresh this process's presence; True when it found Redis new (started, or restarted empty):
+        the work queue then lost what it held."""
         ...
 
     async def dead(self, server_ids: set[str]) -> set[str]:
@@ -67,8 +69,8 @@ class MemoryPresence:
     def __init__(self, server_id: str) -> None:
         self.server_id = server_id
 
-    async def beat(self) -> None:
-        return None
+    async def beat(self) -> bool:
+        return False
 
     async def dead(self, server_ids: set[str]) -> set[str]:
         return server_ids - {self.server_id}
@@ -85,9 +87,9 @@ class RedisPresence:
         self._beat = redis.register_script(_BEAT)
         self._absent = redis.register_script(_ABSENT)
 
-    async def beat(self) -> None:
+    async def beat(self) -> bool:
         key = SERVER_PRESENCE.format(server_id=self.server_id)
-        await self._beat(keys=[key, SERVER_EPOCH], args=[self.timeout_ms])
+        return bool(await self._beat(keys=[key, SERVER_EPOCH], args=[self.timeout_ms]))
 
     async def dead(self, server_ids: set[str]) -> set[str]:
         others = sorted(server_ids - {self.server_id})

@@ -122,7 +122,7 @@ class Recovery:
             step = functools.partial(self.requeue, item, failed=failed, engine_death=engine_death)
             self._spawn(until_available(step, f"requeueing {item.message_id}", within_s=_WAIT_FOR_DATABASE_S))
 
-    def _spawn(self, job: Awaitable[None]) -> None:
+    def _spawn(self, job: Awaitable[object]) -> None:
         async def run() -> None:
             try:
                 await job
@@ -198,7 +198,31 @@ class Recovery:
 
     # ---- a dead server process -------------------------------------------------------------------
     async def _beat_forever(self) -> None:
-        await _forever(self.settings.replica_timeout_s / 4, self.presence.beat, "presence")
+        while True:
+            try:
+                if await self.presence.beat():
+                    self._spawn(self.requeue_lost())
+            except Exception as exc:
+                _log_pass_failure("presence", exc)
+            await asyncio.sleep(self.settings.replica_timeout_s / 4)
+
+    async def requeue_lost(self) -> int:
+        """Redis is new (started, or restarted empty): queue again, at once, the pending messages the
+        queue no longer holds, rather than at the sweep (``sweep_grace_s`` later). In-progress ones stay
+        with their workers."""
+        count = 0
+        for msg in await self.store.open_before(utcnow()):
+            model = msg.model_config_name or ""
+            if msg.state != MessageState.pending.value or await self.queue.holds(model, msg.id):
+                continue
+            attempt = await self.store.next_attempt(msg.id, msg.attempt)
+            if attempt is None:
+                continue
+            await self.queue.enqueue(model, msg.id, attempt, retry=True)
+            count += 1
+        if count:
+            log.warning("Redis is new: %d pending messages it had lost are queued again", count)
+        return count
 
     async def _fail_over_forever(self) -> None:
         await _forever(self.settings.replica_timeout_s / 4, self.fail_over, "fail-over")

@@ -25,19 +25,26 @@ from worker.engines.hf import HFEngine
 pytestmark = [pytest.mark.redis]
 
 
-def test_messages_queued_in_a_redis_that_restarts_empty_are_requeued(
-    private_redis: RestartableRedis, tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    settings = ServerSettings(
-        data_dir=tmp_path,
+def _on_redis(
+    redis: RestartableRedis, data_dir: Path, *, sweep_interval_s: float, sweep_grace_s: float
+) -> ServerSettings:
+    """A server on a private Redis whose heartbeats run every half second."""
+    return ServerSettings(
+        data_dir=data_dir,
         port=free_port(),
-        redis_url=private_redis.url,
+        redis_url=redis.url,
         auth_secret="sweep-test-secret-0123456789abcdef",
         allow_debug_auth=True,
         worker_heartbeat_interval_s=0.5,
-        sweep_interval_s=0.5,
-        sweep_grace_s=1.0,
+        sweep_interval_s=sweep_interval_s,
+        sweep_grace_s=sweep_grace_s,
     )
+
+
+def test_messages_queued_in_a_redis_that_restarts_empty_are_requeued(
+    private_redis: RestartableRedis, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    settings = _on_redis(private_redis, tmp_path, sweep_interval_s=0.5, sweep_grace_s=1.0)
     server = ServerThread(settings).start()
     key = worker_key(settings)
     idle = IdleWorker(server.url, key).start()  # offers the model, takes nothing
@@ -77,16 +84,7 @@ def test_a_redis_that_came_back_empty_has_its_pending_messages_queued_at_once(
 ) -> None:
     """As above with the sweep kept out of the way: the server's presence beat finds Redis new and
     queues the pending messages it lost itself."""
-    settings = ServerSettings(
-        data_dir=tmp_path,
-        port=free_port(),
-        redis_url=private_redis.url,
-        auth_secret="sweep-test-secret-0123456789abcdef",
-        allow_debug_auth=True,
-        worker_heartbeat_interval_s=0.5,
-        sweep_interval_s=3600.0,
-        sweep_grace_s=3600.0,
-    )
+    settings = _on_redis(private_redis, tmp_path, sweep_interval_s=3600.0, sweep_grace_s=3600.0)
     server = ServerThread(settings).start()
     key = worker_key(settings)
     idle = IdleWorker(server.url, key).start()
@@ -139,16 +137,7 @@ def test_a_retry_with_its_key_queues_a_message_the_queue_lost_at_once(
     """As when the first request's replica died between its commit and its enqueue: the message is
     pending and no queue holds it. Its client's retry (same Idempotency-Key) queues it; the sweep,
     which would find it much later, is kept out of the way."""
-    settings = ServerSettings(
-        data_dir=tmp_path,
-        port=free_port(),
-        redis_url=private_redis.url,
-        auth_secret="sweep-test-secret-0123456789abcdef",
-        allow_debug_auth=True,
-        worker_heartbeat_interval_s=0.5,
-        sweep_interval_s=3600.0,
-        sweep_grace_s=3600.0,
-    )
+    settings = _on_redis(private_redis, tmp_path, sweep_interval_s=3600.0, sweep_grace_s=3600.0)
     server = ServerThread(settings).start()
     key = worker_key(settings)
     idle = IdleWorker(server.url, key).start()

@@ -41,6 +41,19 @@ def _on_redis(
     )
 
 
+def _completes_once_a_worker_connects(
+    url: str, key: str, model_dir: Path, headers: dict[str, str], chat: str, mid: str
+) -> None:
+    """A real worker connects; the message's events end with the message."""
+    fmt = ChatFormat.load(str(model_dir))
+    worker = WorkerThread(url, key, MODEL, fmt, lambda: HFEngine(str(model_dir), max_batch_size=4)).start()
+    try:
+        final = events(url, f"/chats/{chat}/messages/{mid}/events", headers)[-1]
+        assert final["event_type"] == "message", final
+    finally:
+        worker.stop()
+
+
 def test_messages_queued_in_a_redis_that_restarts_empty_are_requeued(
     private_redis: RestartableRedis, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -96,16 +109,7 @@ def test_a_redis_that_came_back_empty_has_its_pending_messages_queued_at_once(
         idle.stop()
         private_redis.kill()
         private_redis.start()
-        fmt = ChatFormat.load(str(tiny_model_dir))
-        worker = WorkerThread(
-            server.url, key, MODEL, fmt, lambda: HFEngine(str(tiny_model_dir), max_batch_size=4)
-        ).start()
-        try:
-            mid = reply.json()["id"]
-            final = events(server.url, f"/chats/{chat}/messages/{mid}/events", headers)[-1]
-            assert final["event_type"] == "message", final
-        finally:
-            worker.stop()
+        _completes_once_a_worker_connects(server.url, key, tiny_model_dir, headers, chat, reply.json()["id"])
     finally:
         server.stop()
 
@@ -155,15 +159,6 @@ def test_a_retry_with_its_key_queues_a_message_the_queue_lost_at_once(
         assert again.status_code == 200 and again.json()["id"] == first.json()["id"]
         assert again.json()["attempt"] == 2  # fenced: a late enqueue of attempt 1 is dropped
 
-        fmt = ChatFormat.load(str(tiny_model_dir))
-        worker = WorkerThread(
-            server.url, key, MODEL, fmt, lambda: HFEngine(str(tiny_model_dir), max_batch_size=4)
-        ).start()
-        try:
-            mid = first.json()["id"]
-            final = events(server.url, f"/chats/{chat}/messages/{mid}/events", headers)[-1]
-            assert final["event_type"] == "message", final
-        finally:
-            worker.stop()
+        _completes_once_a_worker_connects(server.url, key, tiny_model_dir, headers, chat, first.json()["id"])
     finally:
         server.stop()

@@ -45,7 +45,10 @@ from the API (SQL behind it) and each reader's log:
 - 5xx: responses with status >= 500 but a 503 with Retry-After (counted apart: allowed while the
   database or Redis is away); connection errors to a killed replica are not counted;
 - kill -> next token: for each kill, the time until each message that was streaming then got its
-  next token (p50 / p99);
+  next token (p50 / p99); a worker, replica, engine or Redis kill while PostgreSQL is down (a double
+  fault) is reported apart (``kill_during_db_outage_to_next_token_s``, with the waits of PostgreSQL's
+  kill that the double fault prolonged): a reader it cut resumes with a request that reads the message
+  from SQL, so it waits for PostgreSQL;
 - engine serving again: for each engine kill, the time until /admin/workers shows one more engine
   restarted (goal: 60 s).
 
@@ -258,7 +261,9 @@ class Tally:
     status_5xx: Counter[str] = field(default_factory=Counter)
     unavailable_503: Counter[str] = field(default_factory=Counter)  # 503 with Retry-After: allowed
     refused: Counter[str] = field(default_factory=Counter)  # 4xx codes (e.g. 503 is counted above)
-    kill_gaps: list[tuple[str, str, float]] = field(default_factory=list)  # (victim kind, message, gap)
+    kill_gaps: list[tuple[str, str, float, float]] = field(default_factory=list)  # (victim kind, message, gap, at)
+    # (killed, accepting again) of each PostgreSQL outage (monotonic; end inf while down)
+    db_outages: list[list[float]] = field(default_factory=list)
     broken: set[str] = field(default_factory=set)  # messages whose reader's connection broke
     attempts: dict[str, int] = field(default_factory=dict)  # message -> stored attempts, after the run
     pending_kills: list[tuple[float, str, set[str]]] = field(default_factory=list)  # (at, kind, streaming)
@@ -274,7 +279,21 @@ class Tally:
         for at, kind, waiting in self.pending_kills:
             if mid in waiting:
                 waiting.discard(mid)
-                self.kill_gaps.append((kind, mid, now - at))
+                self.kill_gaps.append((kind, mid, now - at, at))
+
+    def during_db_outage(self, kind: str, at: float) -> bool:
+        """A worker, replica, engine or Redis kill while PostgreSQL was down: a double fault. A reader
+        cut by it resumes with a request that reads the message from SQL, so it waits for PostgreSQL."""
+        return kind != "postgres" and any(start <= at <= end for start, end in self.db_outages)
+
+    def double_fault(self, kind: str, at: float, gap: float) -> bool:
+        """Whether a wait for the next token belongs to a double fault: its kill was one, or it is a
+        PostgreSQL kill's and a double fault struck before the token came."""
+        if self.during_db_outage(kind, at):
+            return True
+        return kind == "postgres" and any(
+            at <= t <= at + gap for t, k, _ in self.pending_kills if self.during_db_outage(k, t)
+        )
 
     def give_up(self, mid: str) -> None:
         """``mid``'s reader stopped reading before its end."""
@@ -610,9 +629,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             openai = await chaos_postgres.verify(users[:n_ai], otally)
             audit = await chaos_postgres.audit(database, [u.name for u in users], tally.received)
             rolling = tally.gaps.report(tally.last_token_at)
-    gaps = [g for _, _, g in tally.kill_gaps]
+    single = [(k, m, g) for k, m, g, at in tally.kill_gaps if not tally.double_fault(k, at, g)]
+    double = [g for k, _, g, at in tally.kill_gaps if tally.double_fault(k, at, g)]
+    gaps = [g for _, _, g in single]
     # Interrupted: its reader's connection broke or its generation was handed to another attempt.
-    hit = [(k, g) for k, m, g in tally.kill_gaps if m in tally.broken or tally.attempts.get(m, 1) > 1]
+    hit = [(k, g) for k, m, g in single if m in tally.broken or tally.attempts.get(m, 1) > 1]
     return {
         "duration_s": args.duration,
         "users": args.users,
@@ -636,6 +657,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "refused": dict(tally.refused),
         **engines.report(),
         "kill_to_next_token_s": _gap_stats(gaps),
+        "kills_during_db_outage": sum(tally.during_db_outage(kind, at) for at, kind, _ in tally.pending_kills),
+        "kill_during_db_outage_to_next_token_s": _gap_stats(double),
         "interrupted_kill_to_next_token_s": _gap_stats([g for _, g in hit]),
         "interrupted_by_victim_s": {
             kind: _gap_stats([g for k, g in hit if k == kind]) for kind in sorted({k for k, _ in hit})

@@ -115,6 +115,8 @@ async def postgres_faults(
         killed = time.monotonic()
         await asyncio.to_thread(pg.kill)
         tally.pending_kills.append((killed, "postgres", streaming))
+        outage = [killed, float("inf")]
+        tally.db_outages.append(outage)
         restart = Restart(round(killed - start, 1), downs[k % len(downs)])
         restarts.append(restart)
         log.append(f"{killed - start:6.1f}s postgres killed ({len(streaming)} streaming)")
@@ -123,6 +125,7 @@ async def postgres_faults(
         began = time.monotonic()
         await asyncio.to_thread(pg.start)  # returns once it accepts connections
         restart.accepting_after_s = round(time.monotonic() - began, 2)
+        outage[1] = time.monotonic()
         log.append(f"{time.monotonic() - start:6.1f}s postgres accepting again (recovery {restart.accepting_after_s}s)")
         say(log[-1])
         restart.serving_after_s = await watch.serving_again(before, time.monotonic())

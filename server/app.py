@@ -25,6 +25,7 @@ from server.api.openai_chat import router as openai_router
 from server.api.openai_completions import router as completions_router
 from server.api.openai_responses import router as responses_router
 from server.api.tokenizer import router as tokenizer_router
+from server.api.weights import router as weights_router
 from server.auth import TokenSigner
 from server.chats.admission import RateLimiter
 from server.chats.catalog import Catalog
@@ -198,7 +199,7 @@ def create_app(settings: ServerSettings, local_worker: LocalWorker | None = None
     # hot routes come first (the OpenAI-style APIs, then OA's chats), the rarely called ones last.
     for router in (openai_router, completions_router, responses_router, messages_router):
         app.include_router(router, responses=OPENAI_ERROR_RESPONSES)
-    for router in (chats_router, auth_router, configs_router, admin_router):
+    for router in (chats_router, auth_router, configs_router, admin_router, weights_router):
         app.include_router(router, responses=API_ERROR_RESPONSES)
     app.include_router(tokenizer_router, responses=OPENAI_ERROR_RESPONSES)
     app.include_router(health_router)

@@ -226,8 +226,51 @@ def workers(
     for w in rows:
         typer.echo(
             f"{w['worker_id']}  model={w['model_name']} engine={w['engine']} compat={w['compat_hash'][:12]} "
-            f"in_flight={w['inflight']}/{w['capacity']} last_seen={w['last_seen']} key={w['key_name']}"
+            f"in_flight={w['inflight']}/{w['capacity']} last_seen={w['last_seen']} key={w['key_name']} "
+            f"version={w.get('policy_version', 0)}"
+            + (f" weights_error={w['weights_error']!r}" if w.get("weights_error") else "")
         )
+
+
+@admin_app.command("push-weights")
+def push_weights(
+    model: Annotated[str, typer.Argument(help="The model name the workers serve")],
+    path: Annotated[str, typer.Argument(help="A safetensors checkpoint directory the workers can read")],
+    version: Annotated[int, typer.Option(help="The new version: above the model's current one")],
+    mode: Annotated[str, typer.Option(help="drain: running replies finish first; inflight: between two steps")] = (
+        "drain"
+    ),
+    server_url: Annotated[str, typer.Option(help="A server of the cluster. Env: TOKENTRAIL_SERVER_URL")] = (
+        "http://127.0.0.1:8000"
+    ),
+    api_key: Annotated[str, typer.Option(help="An admin user's API key. Env: TOKENTRAIL_API_KEY")] = "",
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for every worker to serve the version")] = 900.0,
+) -> None:
+    """Load new weights into every worker of MODEL without restarting them (POST
+    /admin/models/MODEL/weights); prints the answer once each serves the version."""
+    import os
+
+    import httpx
+
+    if mode not in ("drain", "inflight"):
+        raise typer.BadParameter("--mode must be drain or inflight")
+    url = os.environ.get("TOKENTRAIL_SERVER_URL", server_url).rstrip("/")
+    key = api_key or os.environ.get("TOKENTRAIL_API_KEY", "")
+    body = {"path": path, "version": version, "mode": mode}
+    try:
+        resp = httpx.post(
+            f"{url}/admin/models/{model}/weights",
+            json=body,
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=timeout,
+        )
+    except httpx.HTTPError as exc:
+        typer.echo(f"cannot reach {url}: {exc!r}", err=True)
+        raise typer.Exit(2) from exc
+    if resp.status_code != 200:
+        typer.echo(f"{url} answered {resp.status_code}: {resp.text[:2000]}", err=True)
+        raise typer.Exit(1)
+    typer.echo(resp.text)
 
 
 def export(
@@ -247,11 +290,32 @@ def export(
         bool, typer.Option(help="Also paths with failed or unfinished assistant turns (those turns are left out).")
     ] = False,
     reward_rule: Annotated[str, typer.Option(help="Rollout reward: last (rated turn), mean, min or leaf.")] = "last",
+    min_version: Annotated[
+        int | None,
+        typer.Option(
+            min=0, metavar="N", help="Only rollouts whose every generated token has policy version N or above."
+        ),
+    ] = None,
+    max_staleness: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            metavar="K",
+            help="Only rollouts whose every generated token has a policy version at least the model's newest"
+            " registered version minus K (0: the newest only).",
+        ),
+    ] = None,
     database_url: DatabaseUrl = None,
     data_dir: DataDir = None,
     quiet: Annotated[bool, typer.Option(help="No progress output.")] = False,
 ) -> None:
-    """Export stored conversations as RL training rollouts (chats that opted out are never exported)."""
+    """Export stored conversations as RL training rollouts (chats that opted out are never exported).
+
+    Each turn carries the policy (weights) version of each generated token, each rollout the
+    checkpoint directory of each version it uses. --min-version N and --max-staleness K keep the
+    rollouts whose every generated token is recent enough: version >= N, and version >= the newest
+    version pushed to the turn's model (POST /admin/models/MODEL/weights; 0 if none) minus K, as of
+    the export's start. Messages stored before versions were kept count as version 0."""
     from server.export.run import run_export
 
     if fmt not in ("jsonl", "parquet"):
@@ -277,6 +341,8 @@ def export(
                 min_score=min_score,
                 include_incomplete=include_incomplete,
                 reward_rule=reward_rule,
+                min_version=min_version,
+                max_staleness=max_staleness,
                 progress=not quiet,
             )
         )

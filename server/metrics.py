@@ -105,6 +105,23 @@ class Metrics:
         self.open_messages = Gauge(
             "tokentrail_cluster_open_messages", "Assistant messages pending or in progress", ["state"], registry=r
         )
+        self.policy_version = Gauge(
+            "tokentrail_policy_version",
+            "A model's current weights version as this process knows it (0: the weights its workers started with)",
+            ["model"],
+            registry=r,
+        )
+        self.weights_pushes = Counter(
+            "tokentrail_weights_pushes", "Weights pushes handled by this process, by model and outcome",
+            ["model", "outcome"], registry=r,
+        )  # fmt: skip
+        self.weights_push_seconds = Histogram(
+            "tokentrail_weights_push_seconds",
+            "A weights push from its request until every worker served the new version, by model and mode",
+            ["model", "mode"],
+            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+            registry=r,
+        )
         self.engine_deaths = Counter(
             "tokentrail_engine_deaths",
             "Engine deaths reported by workers connected to this process (their work was requeued), by model",

@@ -146,6 +146,9 @@ class Message(Base):
     # the client's session hint when it sent one (X-Session-ID, prompt_cache_key): routing and the
     # tie-breaker between identical stored paths of different sessions
     session_key: Mapped[str | None] = mapped_column(String(128), default=None)
+    # [[start, version], ...]: the weights version of each completion token (server.weights); None
+    # for messages stored before versions were recorded, whose tokens all came from version 0
+    policy_versions: Mapped[list[Any] | None] = mapped_column(JSON, default=None)
 
 
 class MessageTokens(Base):
@@ -213,6 +216,21 @@ class IdempotencyRecord(Base):
     fingerprint: Mapped[str] = mapped_column(String(64))  # method, path and body of the first request
     result: Mapped[dict[str, Any]] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+
+
+class PolicyVersion(Base):
+    """A weights version pushed to a model's workers (``server.weights``): the registry that stored
+    messages' ``policy_versions`` name. A model's current version is its highest; 0 (the weights its
+    workers start with) has no row."""
+
+    __tablename__ = "policy_versions"
+
+    model_name: Mapped[str] = mapped_column(String(256), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    path: Mapped[str] = mapped_column(Text)  # the checkpoint directory, as the workers read it
+    mode: Mapped[str] = mapped_column(String(16))  # drain | inflight
+    pushed_at: Mapped[datetime] = mapped_column(default=utcnow)
+    pushed_by: Mapped[str | None] = mapped_column(String(128), default=None)  # the admin user's id
 
 
 # The tables themselves, typed, for the Core statements of the hot paths (no ORM objects per row).

@@ -71,6 +71,8 @@ class ServerSettings(BaseSettings):
     replica_timeout_s: float = Field(default=2.0, gt=0.0)
     """A server process that has not refreshed its presence in Redis this long is presumed dead: another takes
     over the messages its workers were generating at once (fenced, resumed after the streamed tokens)."""
+    weights_load_timeout_s: float = Field(default=600.0, gt=0.0)
+    """How long a worker may take to load pushed weights (a ``drain`` push waits for its running replies first)."""
     reclaim_idle_s: float = 20.0
     """A claimed work item untouched this long belongs to a dead server process and is reclaimed."""
     sweep_interval_s: float = 10.0

@@ -84,6 +84,7 @@ class ModelConfigRead(BaseModel):
     engine: str
     max_context: int | None = None
     workers: int = 1
+    policy_version: int = 0  # the newest weights version pushed (0: the weights the workers started with)
 
 
 class WorkParameters(BaseModel):
@@ -131,6 +132,8 @@ class MessageRead(BaseModel):
     attempt: int | None = None  # assistant: generation attempts (2+ when a lost worker's reply was continued)
     worker_id: str | None = None  # assistant: the worker (connection) that generated it
     session_key: str | None = None  # the client's session hint it was stored under (OpenAI-style routes)
+    # finished assistant messages: [start, version] spans, the weights version of each completion token
+    policy_versions: list[tuple[int, int]] | None = None
     # only with ?include=tokens
     prompt_token_ids: list[int] | None = None
     completion_token_ids: list[int] | None = None
@@ -298,6 +301,8 @@ class WorkerRead(BaseModel):
     engine_deaths: int = 0  # since the worker started
     engine_restarts: int = 0
     served: int = 0  # replies this connection finished and stored
+    policy_version: int = 0  # the weights version it serves
+    weights_error: str = ""  # why it cannot load the model's current version (it takes no work until it does)
 
 
 class ApiKeyRead(BaseModel):
@@ -323,3 +328,46 @@ class WorkerKeyRead(BaseModel):
     created_at: datetime
     revoked_at: datetime | None
     connected_workers: int = 0  # on any server process, as the worker directory lists them
+
+
+# ---- weights pushes (POST /admin/models/{model}/weights) ---------------------------------------------
+class PushWeightsRequest(BaseModel):
+    """New weights for every worker of a model: a safetensors checkpoint directory in the model's own
+    layout, readable by the workers."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(min_length=1, max_length=4096)
+    version: int = Field(ge=1, le=2**31 - 1)  # above the model's current version
+    mode: Literal["drain", "inflight"] = "drain"
+
+
+class WorkerWeightsRead(BaseModel):
+    id: str
+    version: int
+    seconds: float | None = None  # how long it took this worker to serve the version
+
+
+class PushWeightsResponse(BaseModel):
+    """Every connected worker of ``model`` serves ``version``."""
+
+    model_config = ConfigDict(protected_namespaces=())
+
+    model: str
+    version: int
+    mode: Literal["drain", "inflight"]
+    seconds: float  # from the request until the last worker served the version
+    workers: list[WorkerWeightsRead]
+
+
+class PolicyVersionRead(BaseModel):
+    """A weights version pushed to a model (``GET /admin/models/{model}/weights``)."""
+
+    model_config = ConfigDict(protected_namespaces=())
+
+    model: str
+    version: int
+    path: str
+    mode: str
+    pushed_at: datetime
+    pushed_by: str | None = None

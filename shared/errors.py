@@ -34,6 +34,8 @@ class ErrorCode(StrEnum):
     parent_required = "parent_required"
     message_finished = "message_finished"  # cancel: the message already ended
     unknown_tool_call = "unknown_tool_call"
+    version_not_newer = "version_not_newer"  # a weights push whose version is not above the model's current one
+    push_in_progress = "push_in_progress"  # another weights push of the model is running
     # 413
     content_too_long = "content_too_long"
     request_too_large = "request_too_large"  # the whole body, checked before it is read
@@ -42,6 +44,9 @@ class ErrorCode(StrEnum):
     validation_error = "validation_error"
     unknown_model = "unknown_model"
     idempotency_key_reused = "idempotency_key_reused"  # the key was used with another request
+    weights_not_found = "weights_not_found"  # a weights push's directory is missing or unreadable
+    weights_not_safetensors = "weights_not_safetensors"  # it holds no safetensors (pickles are never loaded)
+    weights_mismatch = "weights_mismatch"  # its tensors or architecture are not the model's
     # 429
     rate_limited = "rate_limited"  # per-user rate of generations
     queue_share_exceeded = "queue_share_exceeded"  # a user's share of a model's queue is used up
@@ -61,6 +66,7 @@ class ErrorCode(StrEnum):
     worker_lost = "worker_lost"
     too_many_attempts = "too_many_attempts"
     internal_error = "internal_error"
+    weights_load_failed = "weights_load_failed"  # a worker could not load pushed weights that passed the checks
     cancelled = "cancelled"  # the message's final event after POST .../cancel
 
 
@@ -103,6 +109,12 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.queue_share_exceeded: 429,
     ErrorCode.not_ready: 503,
     ErrorCode.context_overflow: 422,
+    ErrorCode.version_not_newer: 409,
+    ErrorCode.push_in_progress: 409,
+    ErrorCode.weights_not_found: 422,
+    ErrorCode.weights_not_safetensors: 422,
+    ErrorCode.weights_mismatch: 422,
+    ErrorCode.weights_load_failed: 502,
 }
 
 

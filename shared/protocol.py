@@ -8,7 +8,10 @@ Worker -> server: hello, credit, tokens, finished, failed, heartbeat, rpc_result
 Server -> worker: welcome, work, cancel, heartbeat, rpc, error (fatal; the server closes after it).
 
 ``rpc`` asks a worker that announced the ``rpc`` feature for tokenizer work (tokenize, render a chat,
-detokenize) so that the server stays model-agnostic; the worker answers with ``rpc_result``.
+detokenize) so that the server stays model-agnostic; the worker answers with ``rpc_result``. A worker
+that announced ``weights`` also takes the weights calls of a push (``server.weights``):
+``check_weights`` {path} (checked, nothing loaded) and ``load_weights`` {path, version, mode}, answered
+once that version serves. Tokens frames and records carry the weights version of their tokens.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class HelloFrame(BaseModel):
     released: list[tuple[str, int]] = Field(default_factory=list, max_length=4096)
     engine_deaths: int = Field(default=0, ge=0)  # of the worker's engine since the worker started
     engine_restarts: int = Field(default=0, ge=0)
+    policy_version: int = Field(default=0, ge=0)  # the weights version its engine serves (0: as started)
 
 
 class CreditFrame(BaseModel):
@@ -77,6 +81,11 @@ class TokensFrame(BaseModel):
     channels: str | None = None  # one CHANNEL_* character per token
     top_logprobs: list[list[TopLogprob]] | None = None  # per token, when the request asked for them
     prompt_ids: list[int] | None = None  # on an attempt's first frame: the prompt it generates from
+    policy_version: int | None = None  # the weights version that computed these tokens (None: 0, an older worker)
+
+
+# [start, version]: from completion index ``start`` on, the tokens were computed by weights ``version``
+PolicySpan = tuple[int, int]
 
 
 class GenerationRecord(BaseModel):
@@ -106,6 +115,8 @@ class GenerationRecord(BaseModel):
     # client-supplied prompt tokens, checked against the prompt built from the stored chain:
     # "match", "mismatch@<index>", "prefix-match" or "prefix-mismatch@<index>"
     prompt_check: str | None = None
+    # the weights version of every completion token, as [start, version] spans ([] from an older worker)
+    policy_versions: list[PolicySpan] = Field(default_factory=list)
 
 
 class FinishedFrame(BaseModel):
@@ -166,6 +177,7 @@ class EngineFrame(BaseModel):
     restarts: int = Field(default=0, ge=0)  # successful restarts since the worker started
     error: str | None = None  # why the engine died
     running: list[tuple[str, int]] = Field(default_factory=list, max_length=4096)  # (message id, attempt)
+    policy_version: int = Field(default=0, ge=0)  # the weights version the engine serves (with "ready")
 
 
 class DrainFrame(BaseModel):
@@ -211,6 +223,7 @@ class ResumeState(BaseModel):
     token_ids: list[int]
     logprobs: list[float | None]
     texts: list[str]
+    policy_versions: list[PolicySpan] = Field(default_factory=list)  # of token_ids, as in GenerationRecord
 
 
 class RawPrompt(BaseModel):
@@ -249,11 +262,15 @@ class CancelFrame(BaseModel):
 
 
 FEATURE_RPC = "rpc"
-RpcMethod = Literal["tokenize", "render_chat", "detokenize"]
+# Hello feature: the worker takes ``check_weights`` and ``load_weights`` calls (live weight updates).
+FEATURE_WEIGHTS = "weights"
+RpcMethod = Literal["tokenize", "render_chat", "detokenize", "check_weights", "load_weights"]
+WEIGHTS_METHODS = ("check_weights", "load_weights")
 
 
 class RpcFrame(BaseModel):
-    """A tokenizer call for the worker (``/tokenize``, ``/detokenize``, text completions' echo)."""
+    """A call on the worker that is not work: tokenizer calls (``/tokenize``, ``/detokenize``, text
+    completions' echo) and, with ``weights``, a push's ``check_weights`` and ``load_weights``."""
 
     type: Literal["rpc"] = "rpc"
     id: str

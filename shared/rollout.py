@@ -8,6 +8,20 @@ Within a sample, ``token_ids`` is the last turn's prompt + completion; ``loss_ma
 on generated tokens (every turn's completion), 0 on prompt, bridge and synthetic closer tokens;
 ``logprobs`` is position-aligned (``logprobs[t]`` is the sampled logprob of ``token_ids[t]``, not
 shifted) and 0.0 where the mask is 0; ``turn_spans`` are the ``[start, end)`` of each completion.
+
+Policy versions (the weights version that generated each token, see docs/weights.md): a turn's
+``policy_versions`` is a list of ``[start, version]`` spans over its ``completion_ids`` (version
+``version`` from ``completion_ids[start]`` to the next span's start); a sample's ``policy_versions``
+is per position, aligned with ``token_ids`` and ``loss_mask``: the version of each generated token,
+-1 where the mask is 0 (like ``logprobs``' 0.0 there). The rollout's ``policy_paths`` maps each
+version its generated tokens use (as a string: a JSON key) to that version's checkpoint directory
+in the server's registry; ``None`` for version 0 (the worker's own model) or a version the registry
+does not know. All three are ``None`` / empty where versions were not recorded (records built
+client-side, exports made before versions existed): read every token as version 0 then.
+
+These fields were added without raising ``SCHEMA_VERSION``: they are optional, no existing field
+changed shape or meaning, and a reader that ignores them reads what it read before (the record of
+a model whose weights never changed: every token version 0).
 """
 
 from __future__ import annotations
@@ -39,6 +53,8 @@ class TurnRecord(BaseModel):
     prompt_length: int  # len(prompt_ids) of this turn
     sampling: dict[str, Any] = Field(default_factory=dict)  # the SamplingParameters of the turn, with its seed
     reward: float | None = None  # the turn's vote (-1, 0, 1) when rated
+    # [start, version] spans over completion_ids: the weights version of each generated token
+    policy_versions: list[tuple[int, int]] | None = None
     # the parsed view, for readers; training uses the token fields
     content: str | None = None
     reasoning_content: str | None = None
@@ -54,6 +70,7 @@ class Sample(BaseModel):
     turn_spans: list[tuple[int, int]]  # [start, end) of each turn's completion in token_ids
     turn_indices: list[int]  # which turns of the rollout this sample holds
     temperatures: list[float]  # per turn, for re-scoring
+    policy_versions: list[int] | None = None  # per position: the version of a generated token, -1 elsewhere
 
 
 class Rollout(BaseModel):
@@ -74,8 +91,38 @@ class Rollout(BaseModel):
     reward: float | None = None  # per the export's reward rule
     reward_rule: RewardRule = "last"
     complete: bool = True  # every assistant turn on the path finished
+    # version (as a string) -> its checkpoint directory; None: version 0 or not in the registry
+    policy_paths: dict[str, str | None] = Field(default_factory=dict)
 
     model_config = {"populate_by_name": True}
+
+
+NO_VERSION = -1  # a sample's per-position version where the loss mask is 0
+
+
+def token_versions(spans: Sequence[Sequence[int]], n: int) -> list[int]:
+    """A turn's ``[start, version]`` spans as the version of each of its ``n`` completion tokens."""
+    if len(spans) == 1 and not spans[0][0]:  # one version for the whole completion: the usual case
+        return [int(spans[0][1])] * n
+    out = [NO_VERSION] * n
+    for k, (start, version) in enumerate(spans):
+        first = max(0, int(start))
+        end = min(n, int(spans[k + 1][0]) if k + 1 < len(spans) else n)
+        if end > first:
+            out[first:end] = [int(version)] * (end - first)
+    return out
+
+
+def sample_versions(
+    spans: list[tuple[int, int]], group: list[int], turns: list[dict[str, Any]], n: int
+) -> list[int] | None:
+    """The per-position versions of a sample of ``n`` tokens, or None when its turns carry none."""
+    if any(turns[i].get("policy_versions") is None for i in group):
+        return None
+    out = [NO_VERSION] * n
+    for (start, end), i in zip(spans, group, strict=True):
+        out[start:end] = token_versions(turns[i]["policy_versions"], end - start)
+    return out
 
 
 def sample_record(
@@ -85,9 +132,11 @@ def sample_record(
     spans: list[tuple[int, int]],
     group: list[int],
     turns: list[dict[str, Any]],
+    versions: list[int] | None = None,
 ) -> dict[str, Any]:
+    """One sample; ``versions``: its per-position policy versions (None: computed from the turns')."""
     temps = [turns[i]["sampling"].get("temperature") for i in group]
-    return {
+    record = {
         "token_ids": token_ids,
         "loss_mask": mask,
         "logprobs": lps,
@@ -96,6 +145,11 @@ def sample_record(
         "turn_indices": group,
         "temperatures": [1.0 if t is None else float(t) for t in temps],
     }
+    if versions is None:
+        versions = sample_versions(spans, group, turns, len(token_ids))
+    if versions is not None:
+        record["policy_versions"] = versions
+    return record
 
 
 def build_samples(

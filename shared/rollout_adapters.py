@@ -53,10 +53,24 @@ Semantic choices where the native data and a trainer's record do not line up one
   turn made tool calls, else ``user``; ``idx`` is the sample's index within the rollout.
 - marin ``decoding`` takes the turn's sampling parameters (None where unset), except ``temperature``:
   the sample's per-turn temperature (unset means 1.0, as in native samples).
+
+Policy versions (the weights version of each generated token, shared/rollout.py) go where a record has
+room for one per token, aligned with that record's own token list and -1 where its mask is 0: verl
+``extra_fields.policy_versions`` (over ``response_ids``), slime ``metadata.policy_versions`` (over the
+response) plus slime's own ``weight_versions`` (one string per run of one version in each turn, in
+order: one per turn unless a turn was switched to new weights in flight), nemo-rl
+``extra_env_info.policy_versions`` (over the whole ``message_log``), and, as extra fields like
+prime-rl's ``reward``, prime-rl ``policy_versions`` (full length, like ``temperatures``), openrlhf
+``policy_versions`` (over ``observation_tokens``) and skyrl ``policy_versions`` (a batch entry over the
+response, like ``loss_masks``). marin has no per-token slot: ``metadata.weight_step`` is the version of
+the turn's first token (-1 where unknown). The free-form slots (verl ``extra_fields``, slime
+``metadata``, nemo-rl ``extra_env_info``) also carry ``policy_paths``, the checkpoint directory of each
+version the sample uses. A native rollout without versions gives records without these fields.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
@@ -76,6 +90,8 @@ class NativeSampleView(TypedDict):
     prompt_length: int  # tokens before the first generated token
     turn_spans: list[tuple[int, int]]  # [start, end) of each completion
     temperatures: list[float] | None  # per turn (aligned with turn_spans); None when the record has none
+    policy_versions: list[int] | None  # per position: version of a generated token, -1 elsewhere; None: unknown
+    policy_paths: dict[str, str | None] | None  # version -> checkpoint directory, where the record carries them
 
 
 @dataclass(frozen=True)
@@ -88,6 +104,7 @@ class _Sample:
     spans: list[tuple[int, int]]
     turn_indices: list[int]
     temperatures: list[float]
+    versions: list[int] | None  # per position; None: the rollout records no versions
 
 
 def _parse_sample(index: int, raw: Mapping[str, Any]) -> _Sample:
@@ -104,18 +121,60 @@ def _parse_sample(index: int, raw: Mapping[str, Any]) -> _Sample:
         raise ValueError(f"sample {index}: turn_spans, turn_indices and temperatures must be non-empty and aligned")
     if any(not 0 <= s <= e <= n for s, e in spans):
         raise ValueError(f"sample {index}: a turn span lies outside token_ids")
-    return _Sample(index, token_ids, mask, lps, int(raw["prompt_length"]), spans, turn_indices, temps)
+    raw_versions = raw.get("policy_versions")
+    versions = None if raw_versions is None else [int(v) for v in raw_versions]
+    if versions is not None and len(versions) != n:
+        raise ValueError(f"sample {index}: policy_versions and token_ids differ in length")
+    return _Sample(index, token_ids, mask, lps, int(raw["prompt_length"]), spans, turn_indices, temps, versions)
 
 
 def _ids(rollout: Mapping[str, Any], s: _Sample) -> Record:
-    """Where a record has a free-form slot: enough to find the rollout and the turns again."""
-    return {
+    """Where a record has a free-form slot: enough to find the rollout and the turns again, and the
+    checkpoint directory of each version the sample uses."""
+    ids: Record = {
         "rollout_id": rollout["rollout_id"],
         "chat_id": rollout["chat_id"],
         "sample_index": s.index,
         "turn_indices": list(s.turn_indices),
         "temperatures": list(s.temperatures),
     }
+    if s.versions is not None:
+        paths = _json_object(rollout.get("policy_paths"))
+        used = {str(v) for v, m in zip(s.versions, s.loss_mask, strict=True) if m}
+        ids["policy_paths"] = {k: paths.get(k) for k in sorted(used, key=int)}
+    return ids
+
+
+def _json_object(value: Any) -> dict[str, Any]:
+    """A free-form object, also as the JSON text a Parquet file stores it as (None: empty)."""
+    if isinstance(value, str):
+        value = json.loads(value)
+    return dict(value or {})
+
+
+def _with_versions(record: Record, key: str, versions: list[int] | list[list[int]] | None) -> Record:
+    """``record`` with ``key`` set to ``versions`` when the sample has them."""
+    if versions is not None:
+        record[key] = versions
+    return record
+
+
+def _response_versions(s: _Sample) -> list[int] | None:
+    return None if s.versions is None else s.versions[s.prompt_length :]
+
+
+def _weight_versions(s: _Sample) -> list[str]:
+    """slime ``weight_versions``: each turn's runs of one version, in order, as strings."""
+    if s.versions is None:
+        return []
+    out = []
+    for start, end in s.spans:
+        prev = None
+        for v in s.versions[start:end]:
+            if v != prev:
+                out.append(str(v))
+                prev = v
+    return out
 
 
 def _reward(rollout: Mapping[str, Any]) -> float | None:
@@ -153,11 +212,15 @@ def _verl(rollout: Mapping[str, Any], s: _Sample) -> list[Record]:
             "reward_score": _reward(rollout),
             "num_turns": user_turns + len(s.spans) + 1,
             "multi_modal_data": {},
-            "extra_fields": {
-                "turn_scores": [t.get("reward") for t in _turns(rollout, s)],  # votes; None where unrated
-                "tool_rewards": [],
-                **_ids(rollout, s),
-            },
+            "extra_fields": _with_versions(
+                {
+                    "turn_scores": [t.get("reward") for t in _turns(rollout, s)],  # votes; None where unrated
+                    "tool_rewards": [],
+                    **_ids(rollout, s),
+                },
+                "policy_versions",
+                _response_versions(s),
+            ),
             "metrics": {},
         }
     ]
@@ -165,21 +228,20 @@ def _verl(rollout: Mapping[str, Any], s: _Sample) -> list[Record]:
 
 def _openrlhf(rollout: Mapping[str, Any], s: _Sample) -> list[Record]:
     reward = _reward(rollout)
-    return [
-        {
-            "prompt": "",
-            "label": None,
-            "images": None,
-            "mm_train_inputs": None,
-            "observation_tokens": list(s.token_ids),
-            "action_ranges": [[a, b] for a, b in s.spans],
-            "rollout_log_probs": list(s.logprobs),
-            "reward": reward,
-            "scores": reward,
-            "extra_logs": {},  # OpenRLHF turns every value into a tensor: numbers only
-            "truncated": any(t.get("finish_reason") == "length" for t in _turns(rollout, s)),
-        }
-    ]
+    record: Record = {
+        "prompt": "",
+        "label": None,
+        "images": None,
+        "mm_train_inputs": None,
+        "observation_tokens": list(s.token_ids),
+        "action_ranges": [[a, b] for a, b in s.spans],
+        "rollout_log_probs": list(s.logprobs),
+        "reward": reward,
+        "scores": reward,
+        "extra_logs": {},  # OpenRLHF turns every value into a tensor: numbers only
+        "truncated": any(t.get("finish_reason") == "length" for t in _turns(rollout, s)),
+    }
+    return [_with_versions(record, "policy_versions", None if s.versions is None else list(s.versions))]
 
 
 def _slime_status(finish_reason: Any) -> str:
@@ -199,29 +261,29 @@ def _slime(rollout: Mapping[str, Any], s: _Sample) -> list[Record]:
             "label": None,
             "reward": _reward(rollout),
             "loss_mask": s.loss_mask[p:],
-            "weight_versions": [],
+            "weight_versions": _weight_versions(s),
             "rollout_log_probs": s.logprobs[p:],
             "remove_sample": False,
             "status": _slime_status(_turns(rollout, s)[-1].get("finish_reason")),
-            "metadata": _ids(rollout, s),
+            "metadata": _with_versions(_ids(rollout, s), "policy_versions", _response_versions(s)),
         }
     ]
 
 
 def _skyrl(rollout: Mapping[str, Any], s: _Sample) -> list[Record]:
     p = s.prompt_length
-    return [
-        {
-            "prompt_token_ids": [s.token_ids[:p]],
-            "response_ids": [s.token_ids[p:]],
-            "loss_masks": [s.loss_mask[p:]],
-            "rollout_logprobs": [s.logprobs[p:]],
-            "rewards": [_reward_or_zero(rollout)],
-            "stop_reasons": [str(_turns(rollout, s)[-1].get("finish_reason"))],
-            "trajectory_ids": [{"instance_id": rollout["rollout_id"], "repetition_id": s.index}],
-            "rollout_metrics": {},
-        }
-    ]
+    record: Record = {
+        "prompt_token_ids": [s.token_ids[:p]],
+        "response_ids": [s.token_ids[p:]],
+        "loss_masks": [s.loss_mask[p:]],
+        "rollout_logprobs": [s.logprobs[p:]],
+        "rewards": [_reward_or_zero(rollout)],
+        "stop_reasons": [str(_turns(rollout, s)[-1].get("finish_reason"))],
+        "trajectory_ids": [{"instance_id": rollout["rollout_id"], "repetition_id": s.index}],
+        "rollout_metrics": {},
+    }
+    versions = _response_versions(s)
+    return [_with_versions(record, "policy_versions", None if versions is None else [versions])]
 
 
 def _token_temperatures(s: _Sample) -> list[float]:
@@ -234,17 +296,17 @@ def _token_temperatures(s: _Sample) -> list[float]:
 
 
 def _prime_rl(rollout: Mapping[str, Any], s: _Sample) -> list[Record]:
-    return [
-        {
-            "token_ids": list(s.token_ids),
-            "mask": [m == 1 for m in s.loss_mask],
-            "logprobs": list(s.logprobs),
-            "temperatures": _token_temperatures(s),
-            "env_name": ENV_NAME,
-            "advantages": None,  # computed by prime-rl's orchestrator from the reward
-            "reward": _reward(rollout),  # not a TrainingSample field
-        }
-    ]
+    record: Record = {
+        "token_ids": list(s.token_ids),
+        "mask": [m == 1 for m in s.loss_mask],
+        "logprobs": list(s.logprobs),
+        "temperatures": _token_temperatures(s),
+        "env_name": ENV_NAME,
+        "advantages": None,  # computed by prime-rl's orchestrator from the reward
+        "reward": _reward(rollout),  # not a TrainingSample field
+    }
+    # not a TrainingSample field either
+    return [_with_versions(record, "policy_versions", None if s.versions is None else list(s.versions))]
 
 
 def _nemo_rl(rollout: Mapping[str, Any], s: _Sample) -> list[Record]:
@@ -267,7 +329,11 @@ def _nemo_rl(rollout: Mapping[str, Any], s: _Sample) -> list[Record]:
         {
             "message_log": log,
             "length": len(s.token_ids),
-            "extra_env_info": {"reward": _reward(rollout), **_ids(rollout, s)},
+            "extra_env_info": _with_versions(
+                {"reward": _reward(rollout), **_ids(rollout, s)},
+                "policy_versions",
+                None if s.versions is None else list(s.versions),
+            ),
             "loss_multiplier": 1.0,
             "idx": s.index,
             "task_name": ENV_NAME,
@@ -299,7 +365,12 @@ def _marin(rollout: Mapping[str, Any], s: _Sample) -> list[Record]:
                     "stop_token_ids": list(sampling.get("stop_token_ids") or []),
                 },
                 "is_truncated": turn.get("finish_reason") == "length",
-                "metadata": {"worker_id": "", "timestamp": 0.0, "weight_step": -1},
+                # marin's weight step: the version of the turn's first token (-1: unknown)
+                "metadata": {
+                    "worker_id": "",
+                    "timestamp": 0.0,
+                    "weight_step": -1 if s.versions is None or start >= end else s.versions[start],
+                },
                 "correctness_reward": None,
             }
         )
@@ -368,6 +439,8 @@ def _view(
     prompt_length: int,
     spans: list[tuple[int, int]] | None = None,
     temperatures: Sequence[Any] | None = None,
+    versions: Sequence[Any] | None = None,
+    paths: Any = None,
 ) -> NativeSampleView:
     ids = [int(t) for t in token_ids]
     mask = [1 if m else 0 for m in loss_mask]
@@ -380,6 +453,9 @@ def _view(
     temps = None if temperatures is None else [float(t) for t in temperatures]
     if temps is not None and len(temps) != len(spans):
         raise ValueError(f"{len(temps)} temperatures for {len(spans)} completion spans")
+    vers = None if versions is None else [int(v) for v in versions]
+    if vers is not None and len(vers) != len(ids):
+        raise ValueError(f"{len(vers)} policy versions for {len(ids)} tokens")
     return {
         "token_ids": ids,
         "loss_mask": mask,
@@ -387,7 +463,14 @@ def _view(
         "prompt_length": prompt_length,
         "turn_spans": spans,
         "temperatures": temps,
+        "policy_versions": vers,
+        "policy_paths": None if paths is None else {str(k): v for k, v in _json_object(paths).items()},
     }
+
+
+def _prefixed(p: int, response_versions: Sequence[Any] | None) -> list[int] | None:
+    """Response-aligned versions as full-length ones (-1 on the prompt)."""
+    return None if response_versions is None else [-1] * p + [int(v) for v in response_versions]
 
 
 def _split_view(
@@ -396,27 +479,37 @@ def _split_view(
     response_mask: Sequence[Any],
     response_logprobs: Any,
     temperatures: Sequence[Any] | None,
+    response_versions: Sequence[Any] | None = None,
+    paths: Any = None,
 ) -> NativeSampleView:
     """A prompt + response record (verl, slime, skyrl): the prompt is context, logprobs 0.0 there."""
     lps = _floats(response_logprobs, "response logprobs")
     if not (len(response) == len(response_mask) == len(lps)):
         raise ValueError("response ids, mask and logprobs differ in length")
     p = len(prompt)
-    return _view([*prompt, *response], [0] * p + list(response_mask), [0.0] * p + lps, p, temperatures=temperatures)
+    mask = [0] * p + list(response_mask)
+    versions = _prefixed(p, response_versions)
+    return _view([*prompt, *response], mask, [0.0] * p + lps, p, None, temperatures, versions, paths)
 
 
 def _from_tokentrail(r: Mapping[str, Any]) -> list[NativeSampleView]:
     out = []
     for i, raw in enumerate(r["samples"]):
         s = _parse_sample(i, raw)
-        out.append(_view(s.token_ids, s.loss_mask, s.logprobs, s.prompt_length, list(s.spans), s.temperatures))
+        paths = r.get("policy_paths") if s.versions is not None else None
+        spans = list(s.spans)
+        out.append(
+            _view(s.token_ids, s.loss_mask, s.logprobs, s.prompt_length, spans, s.temperatures, s.versions, paths)
+        )
     return out
 
 
 def _from_verl(r: Mapping[str, Any]) -> list[NativeSampleView]:
-    extra = r.get("extra_fields") or {}
+    extra = _json_object(r.get("extra_fields"))  # JSON text in Parquet files
     temps = extra.get("temperatures")
-    return [_split_view(r["prompt_ids"], r["response_ids"], r["response_mask"], r.get("response_logprobs"), temps)]
+    versions, paths = extra.get("policy_versions"), extra.get("policy_paths")
+    lps = r.get("response_logprobs")
+    return [_split_view(r["prompt_ids"], r["response_ids"], r["response_mask"], lps, temps, versions, paths)]
 
 
 def _from_openrlhf(r: Mapping[str, Any]) -> list[NativeSampleView]:
@@ -428,7 +521,8 @@ def _from_openrlhf(r: Mapping[str, Any]) -> list[NativeSampleView]:
             raise ValueError(f"action range [{a}, {b}) lies outside the {len(tokens)} observation tokens")
         mask[a:b] = [1] * (b - a)
     prompt_length = spans[0][0] if spans else len(tokens)
-    return [_view(tokens, mask, _floats(r.get("rollout_log_probs"), "rollout_log_probs"), prompt_length, spans)]
+    lps = _floats(r.get("rollout_log_probs"), "rollout_log_probs")
+    return [_view(tokens, mask, lps, prompt_length, spans, None, r.get("policy_versions"))]
 
 
 def _from_slime(r: Mapping[str, Any]) -> list[NativeSampleView]:
@@ -439,8 +533,9 @@ def _from_slime(r: Mapping[str, Any]) -> list[NativeSampleView]:
     p = len(tokens) - n_resp
     mask = r.get("loss_mask")
     mask = [1] * n_resp if mask is None else mask  # slime: None means all ones
-    temps = (r.get("metadata") or {}).get("temperatures")
-    return [_split_view(tokens[:p], tokens[p:], mask, r.get("rollout_log_probs"), temps)]
+    meta = _json_object(r.get("metadata"))
+    temps, versions, paths = meta.get("temperatures"), meta.get("policy_versions"), meta.get("policy_paths")
+    return [_split_view(tokens[:p], tokens[p:], mask, r.get("rollout_log_probs"), temps, versions, paths)]
 
 
 def _from_skyrl(r: Mapping[str, Any]) -> list[NativeSampleView]:
@@ -450,7 +545,11 @@ def _from_skyrl(r: Mapping[str, Any]) -> list[NativeSampleView]:
         raise ValueError("the record carries no rollout_logprobs: it cannot be verified")
     if not (len(prompts) == len(responses) == len(masks) == len(lps)):
         raise ValueError("the batch's prompt_token_ids, response_ids, loss_masks and rollout_logprobs differ in length")
-    return [_split_view(p, resp, m, lp, None) for p, resp, m, lp in zip(prompts, responses, masks, lps, strict=True)]
+    versions = r.get("policy_versions") or [None] * len(prompts)
+    if len(versions) != len(prompts):
+        raise ValueError("the batch's policy_versions and response_ids differ in length")
+    entries = zip(prompts, responses, masks, lps, versions, strict=True)
+    return [_split_view(p, resp, m, lp, None, v) for p, resp, m, lp, v in entries]
 
 
 def _from_prime_rl(r: Mapping[str, Any]) -> list[NativeSampleView]:
@@ -459,7 +558,8 @@ def _from_prime_rl(r: Mapping[str, Any]) -> list[NativeSampleView]:
     token_temps = r.get("temperatures")
     temps = None if token_temps is None else [float(token_temps[a]) for a, _ in spans]
     prompt_length = spans[0][0] if spans else len(mask)  # no prompt split: the first trainable token
-    return [_view(r["token_ids"], mask, _floats(r.get("logprobs"), "logprobs"), prompt_length, spans, temps)]
+    lps = _floats(r.get("logprobs"), "logprobs")
+    return [_view(r["token_ids"], mask, lps, prompt_length, spans, temps, r.get("policy_versions"))]
 
 
 def _from_nemo_rl(r: Mapping[str, Any]) -> list[NativeSampleView]:
@@ -481,8 +581,9 @@ def _from_nemo_rl(r: Mapping[str, Any]) -> list[NativeSampleView]:
             lps += [0.0] * len(toks)
         ids += toks
     prompt_length = spans[0][0] if spans else len(ids)
-    temps = (r.get("extra_env_info") or {}).get("temperatures")
-    return [_view(ids, mask, lps, prompt_length, spans, temps)]
+    info = _json_object(r.get("extra_env_info"))
+    temps, versions, paths = info.get("temperatures"), info.get("policy_versions"), info.get("policy_paths")
+    return [_view(ids, mask, lps, prompt_length, spans, temps, versions, paths)]
 
 
 def _from_marin(r: Mapping[str, Any]) -> list[NativeSampleView]:
@@ -494,7 +595,10 @@ def _from_marin(r: Mapping[str, Any]) -> list[NativeSampleView]:
     temp = (r.get("decoding") or {}).get("temperature")
     temps = None if temp is None else [temp]
     span = [(p, p + len(response))]
-    return [_view(prompt + response, [0] * p + [1] * len(response), [0.0] * p + lps, p, span, temps)]
+    step = int((r.get("metadata") or {}).get("weight_step", -1))  # one version for the turn; -1: unknown
+    versions = None if step < 0 else [-1] * p + [step] * len(response)
+    mask = [0] * p + [1] * len(response)
+    return [_view(prompt + response, mask, [0.0] * p + lps, p, span, temps, versions)]
 
 
 _READERS: dict[str, Callable[[Mapping[str, Any]], list[NativeSampleView]]] = {
@@ -511,8 +615,10 @@ _READERS: dict[str, Callable[[Mapping[str, Any]], list[NativeSampleView]]] = {
 
 def to_native_samples(record: dict[str, Any], schema: str) -> list[NativeSampleView]:
     """Map an adapter record back to what ``tokentrail verify`` needs, where possible: token_ids, loss_mask,
-    logprobs (position-aligned, unshifted, full length), prompt_length, turn spans, and per-turn
-    temperatures if the record carries them (else None).
+    logprobs (position-aligned, unshifted, full length), prompt_length, turn spans, per-turn
+    temperatures if the record carries them (else None), per-position policy versions (full length, -1
+    off the generated tokens; marin's ``weight_step`` for the whole turn) and the versions' checkpoint
+    directories, where the record carries them (else None).
 
     One view per sample (a skyrl batch gives one per entry; a marin record, one single-turn sample).
     Where a record has no prompt/response split (prime-rl), the prompt length is the first trainable

@@ -9,27 +9,39 @@ the reference share it): float32 matmuls stay IEEE float32, as on CPU. The defau
 float32 (reached on CPU: 1e-6 to 1e-5) and looser for the 16-bit dtypes, whose rounding differs between a
 batched decode step and a full teacher-forced pass.
 
-Standalone on purpose: it imports only torch/transformers and the engine under test, so it runs in
-the vLLM environment too (scripts/vllm_env.sh), whose transformers is older than the server's.
+Standalone on purpose: it imports only torch/transformers/safetensors and the engine under test, so it
+runs in the vLLM environment too (scripts/vllm_env.sh), whose transformers is older than the server's.
+
+The weights-update checks run last, in order (they change the engine's weights): refused checkpoints
+change nothing; ``drain`` and ``inflight`` updates to checkpoints built here (the suite's model with seeded
+noise, saved with ``save_pretrained`` as a trainer would) tag every step with the version that computed
+it and match teacher forcing under the weights of that version; concurrent updates run one at a time.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker.engines.contract import EngineError, GenerationParams, TokenStep
+from worker.engines.contract import EngineError, GenerationParams, TokenStep, WeightsError
 
 PROMPT = [5, 17, 42, 99, 7, 300, 11, 64, 128, 9]
+LONG_PROMPT = [(7 * i) % 500 + 3 for i in range(600)]  # CPU vLLM caches whole blocks of 256
+NOISE = 0.02  # std of the noise added to every weight of a pushed checkpoint (the untrained init's scale)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 TOLERANCE = {"hf": 1e-4, "vllm": 1e-4}  # float32: reached on CPU 1e-6 to 1e-5 for both
 HALF_TOLERANCE = {"bfloat16": 0.5, "float16": 0.1}  # 16-bit dtypes: a sanity bound, not exactness
 DTYPES = ("float32", "bfloat16", "float16")
@@ -50,6 +62,63 @@ class Run:
     @property
     def last(self) -> TokenStep:
         return self.steps[-1]
+
+    @property
+    def versions(self) -> list[int]:
+        """The policy version of each token."""
+        return [s.policy_version for s in self.steps for _ in s.token_ids]
+
+
+def perturbed_checkpoint(base: str, out: Path, seed: int) -> Path:
+    """``base`` with seeded Gaussian noise added to every weight, saved as a trainer saves a checkpoint
+    (``save_pretrained``: safetensors and config.json; tied weights once), tokenizer files copied over."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+            param.add_(torch.randn(param.shape, generator=generator) * NOISE)
+    model.save_pretrained(out)  # safetensors (the only format transformers 5 writes)
+    for name in TOKENIZER_FILES:
+        if (Path(base) / name).is_file():
+            shutil.copy(Path(base) / name, out / name)
+    assert any(out.glob("*.safetensors")), f"save_pretrained wrote no safetensors in {out}"
+    return out
+
+
+def refused_checkpoints(base: str, root: Path) -> dict[str, tuple[Path, str]]:
+    """Directories an update must refuse, with the ``WeightsError`` code each must raise."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    cases: dict[str, tuple[Path, str]] = {"missing directory": (root / "absent", "weights_not_found")}
+    config = json.loads((Path(base) / "config.json").read_text())
+    pickled = root / "pickle-only"
+    pickled.mkdir()
+    (pickled / "config.json").write_text(json.dumps(config))
+    (pickled / "pytorch_model.bin").write_bytes(b"not a pickle, and never unpickled")  # the check never opens it
+    cases["pytorch_model.bin only"] = (pickled, "weights_not_safetensors")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(base).glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    name = min(n for n, t in tensors.items() if t.dim() == 2)
+    tensors[name] = tensors[name][:-1].clone()  # one row short
+    shape = root / "wrong-shape"
+    shape.mkdir()
+    save_file(tensors, str(shape / "model.safetensors"), metadata={"format": "pt"})
+    (shape / "config.json").write_text(json.dumps(config))
+    cases[f"{name} a row short"] = (shape, "weights_mismatch")
+    other = root / "other-architecture"
+    other.mkdir()
+    for file in Path(base).glob("*.safetensors"):
+        shutil.copy(file, other / file.name)
+    (other / "config.json").write_text(
+        json.dumps({**config, "model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]})
+    )
+    cases["another architecture"] = (other, "weights_mismatch")
+    return cases
 
 
 def tolerance(engine: str, dtype: str) -> float:
@@ -82,6 +151,62 @@ class Contract:
         self.tol = tolerance(engine_name, dtype) if tol is None else tol
         self._ids = 0
         self.notes: list[str] = []
+        self._workdir: tempfile.TemporaryDirectory[str] | None = None
+        self._checkpoints: dict[int, Path] = {}
+        self._references: dict[str, Any] = {}
+
+    def cleanup(self) -> None:
+        if self._workdir is not None:
+            self._workdir.cleanup()
+            self._workdir = None
+
+    def workdir(self) -> Path:
+        if self._workdir is None:
+            self._workdir = tempfile.TemporaryDirectory(prefix="contract-weights-")
+        return Path(self._workdir.name)
+
+    def checkpoint(self, seed: int) -> Path:
+        """The suite's model perturbed with noise seed ``seed`` (built once)."""
+        if seed not in self._checkpoints:
+            out = self.workdir() / f"noise-{seed}"
+            out.mkdir()
+            self._checkpoints[seed] = perturbed_checkpoint(self.model, out, seed)
+        return self._checkpoints[seed]
+
+    def reference(self, path: str | Path) -> Any:
+        """The teacher-forcing model of checkpoint ``path``, where the engine runs, in its dtype."""
+        key = str(path)
+        if key not in self._references:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(key, dtype=getattr(torch, self.dtype))
+            torch.nn.Module.to(model, torch.device(self.device))
+            torch.nn.Module.eval(model)
+            self._references[key] = model
+        return self._references[key]
+
+    def expected(self, path: str | Path, prompt: list[int], tokens: list[int], params: GenerationParams) -> Any:
+        """``[len(tokens), vocab]`` processed logprobs of each token's position under checkpoint ``path``."""
+        import torch
+
+        from worker.sampling import teacher_forced_logprobs
+
+        ids = prompt + tokens
+        with torch.inference_mode():
+            logits = self.reference(path)(input_ids=torch.tensor([ids], device=torch.device(self.device))).logits[0]
+        return teacher_forced_logprobs(logits, ids, len(prompt), params).cpu()
+
+    def worst(self, path: str | Path, prompt: list[int], out: Run, params: GenerationParams) -> float:
+        """max |engine logprob - teacher forcing under ``path``| over ``out``'s tokens."""
+        import torch
+
+        from worker.sampling import gather_logprobs
+
+        expected = gather_logprobs(self.expected(path, prompt, out.tokens, params), out.tokens)
+        got = torch.tensor(out.logprobs, dtype=torch.float32)
+        assert torch.isfinite(got).all(), f"non-finite logprob {got.tolist()}"
+        return float((got - expected).abs().max())
 
     async def run(self, prompt: list[int], params: GenerationParams) -> Run:
         self._ids += 1
@@ -242,6 +367,184 @@ class Contract:
         assert worst < tol, f"max |Δ| {worst:.2e} >= {tol:.0e} ({', '.join(parts)})"
         return f"max |Δ| {worst:.2e} < {tol:.0e} on {self.device} {self.dtype} ({', '.join(parts)})"
 
+    # ---- weights updates: these change the engine's weights, so they run last, in this order -------
+
+    def distinct(self, stale: float, label: str) -> None:
+        """The old weights' logprobs must be far off (else a stale KV cache would go unnoticed)."""
+        if self.dtype == "float32":
+            assert stale > 10 * self.tol, f"{label}: the checkpoints are too close to tell apart ({stale:.1e})"
+        elif stale <= 10 * self.tol:
+            self.notes.append(f"{label}: old and new weights differ by only {stale:.1e} in {self.dtype}")
+
+    async def weights_refused(self) -> str:
+        """Refused checkpoints raise WeightsError with the right code; nothing changes, not even for a
+        request running meanwhile."""
+        params = GenerationParams(max_new_tokens=24, temperature=0.0)
+        before = await self.run(PROMPT, params)
+        running = asyncio.create_task(self.run(PROMPT, params))
+        root = self.workdir() / "refused"
+        root.mkdir()
+        cases = await asyncio.to_thread(refused_checkpoints, self.model, root)
+        for i, (label, (path, code)) in enumerate(cases.items()):
+            mode = "drain" if i % 2 else "inflight"
+            try:
+                await self.engine.update_weights(str(path), 1, mode)  # type: ignore[attr-defined]
+            except WeightsError as exc:
+                assert exc.code == code, f"{label}: code {exc.code}, not {code} ({exc})"
+            else:
+                raise AssertionError(f"{label}: the update was accepted")
+            assert self.engine.policy_version == 0, f"{label}: policy_version {self.engine.policy_version}"  # type: ignore[attr-defined]
+        during = await running
+        after = await self.run(PROMPT, params)
+        for label, out in (("during", during), ("after", after)):
+            assert out.tokens == before.tokens, f"{label}: {out.tokens} != {before.tokens}"
+            delta = max(abs(a - b) for a, b in zip(out.logprobs, before.logprobs, strict=True))
+            assert delta < self.tol, f"{label}: logprobs moved by {delta:.2e}"
+            assert set(out.versions) == {0}, f"{label}: versions {set(out.versions)}"
+        return f"{len(cases)} refused ({', '.join(cases)}); version 0 serves unchanged"
+
+    async def _consume(
+        self,
+        prompt: list[int],
+        params: GenerationParams,
+        started: asyncio.Event,
+        stop: Callable[[Run], bool],
+        tokens: int = 1,
+    ) -> Run:
+        """Run a request, setting ``started`` once it has ``tokens`` tokens; abort it once ``stop(run)``."""
+        self._ids += 1
+        rid = f"req-{self._ids}"
+        out = Run()
+        aborted = False
+        async for step in self.engine.generate(rid, prompt, params):  # type: ignore[attr-defined]
+            out.steps.append(step)
+            if len(out.tokens) >= tokens:
+                started.set()
+            if not aborted and step.finish_reason is None and stop(out):
+                aborted = True
+                await self.engine.abort(rid)  # type: ignore[attr-defined]
+        return out
+
+    async def weights_drain(self) -> str:
+        """drain: requests running at the push finish on version 0; one sent during the push waits and
+        runs on version 1, with no prefix cached under version 0."""
+        new = await asyncio.to_thread(self.checkpoint, 1)
+        greedy = GenerationParams(max_new_tokens=48, temperature=0.0)
+        sampled = GenerationParams(max_new_tokens=48, temperature=0.8, seed=11)
+        events = [asyncio.Event(), asyncio.Event()]
+        old = [
+            asyncio.create_task(self._consume(PROMPT, greedy, events[0], lambda _: False)),
+            asyncio.create_task(self._consume(PROMPT[:6], sampled, events[1], lambda _: False)),
+        ]
+        await asyncio.gather(*(e.wait() for e in events))
+        assert not any(t.done() for t in old), "a request finished before the push: nothing to drain"
+        update = asyncio.create_task(self.engine.update_weights(str(new), 1, "drain"))  # type: ignore[attr-defined]
+        await asyncio.sleep(0.05)  # the push has begun: a request sent now must wait for version 1
+        waiting = GenerationParams(max_new_tokens=8, temperature=0.0)
+        late = asyncio.create_task(self.run(LONG_PROMPT, waiting))
+        await update
+        assert self.engine.policy_version == 1, f"policy_version {self.engine.policy_version}"  # type: ignore[attr-defined]
+        runs = await asyncio.gather(*old)
+        out = await late
+        parts = []
+        for label, run, prompt, params in (
+            ("greedy", runs[0], PROMPT, greedy),
+            ("t=0.8", runs[1], PROMPT[:6], sampled),
+        ):
+            assert run.last.finish_reason == "length" and len(run.tokens) == 48, (label, run.last)
+            assert set(run.versions) == {0}, f"{label}: versions {run.versions}"
+            worst = self.worst(self.model, prompt, run, params)
+            assert worst < self.tol, f"{label}: |Δ| {worst:.2e} under the old weights"
+            parts.append(f"{label} {worst:.1e}")
+        assert set(out.versions) == {1}, f"sent during the push: versions {out.versions}"
+        cached = out.steps[0].num_cached_tokens
+        assert not cached, f"{cached} prompt tokens served from a cache computed by the old weights"
+        worst = self.worst(new, LONG_PROMPT, out, waiting)
+        assert worst < self.tol, f"sent during the push: |Δ| {worst:.2e} under the new weights"
+        stale = self.worst(self.model, LONG_PROMPT, out, waiting)
+        self.distinct(stale, "sent during the push")
+        return f"running on v0 ({', '.join(parts)}); waiting one on v1 {worst:.1e} (v0 would be {stale:.1e})"
+
+    async def weights_inflight(self) -> str:
+        """inflight: long requests (8 tokens in) switch from version 1 to 2 between two steps; every logprob matches
+        teacher forcing of the whole sequence under the weights of its step's version (no stale KV)."""
+        old, new = await asyncio.to_thread(self.checkpoint, 1), await asyncio.to_thread(self.checkpoint, 2)
+        cases = {
+            "greedy": (PROMPT, GenerationParams(max_new_tokens=900, temperature=0.0)),
+            "t=0.8,top_k=50": (PROMPT[:7], GenerationParams(max_new_tokens=900, temperature=0.8, top_k=50, seed=21)),
+        }
+        events = [asyncio.Event() for _ in cases]
+
+        def after_switch(run: Run) -> bool:  # four tokens on version 2 are enough, or give up at 600
+            return sum(v == 2 for v in run.versions) >= 4 or len(run.tokens) >= 600
+
+        tasks = [
+            asyncio.create_task(self._consume(prompt, params, event, after_switch, tokens=8))
+            for (prompt, params), event in zip(cases.values(), events, strict=True)
+        ]
+        await asyncio.gather(*(e.wait() for e in events))
+        await self.engine.update_weights(str(new), 2, "inflight")  # type: ignore[attr-defined]
+        assert self.engine.policy_version == 2, f"policy_version {self.engine.policy_version}"  # type: ignore[attr-defined]
+        runs = await asyncio.gather(*tasks)
+        parts = []
+        for (label, (prompt, params)), run in zip(cases.items(), runs, strict=True):
+            versions = run.versions
+            assert versions == sorted(versions) and set(versions) == {1, 2}, f"{label}: versions {versions}"
+            switch = versions.index(2)
+            assert run.last.finish_reason == "abort", f"{label}: {run.last}"
+            got = run.logprobs
+            before = self.expected(old, prompt, run.tokens, params)
+            after = self.expected(new, prompt, run.tokens, params)
+            rows = [
+                (before if v == 1 else after)[i, t] for i, (t, v) in enumerate(zip(run.tokens, versions, strict=True))
+            ]
+            deltas = [abs(g - float(r)) for g, r in zip(got, rows, strict=True)]
+            old_worst, new_worst = max(deltas[:switch]), max(deltas[switch:])
+            assert old_worst < self.tol, f"{label}: |Δ| {old_worst:.2e} before the switch (old weights)"
+            assert new_worst < self.tol, f"{label}: |Δ| {new_worst:.2e} after the switch (new weights, full context)"
+            stale = max(abs(g - float(before[i, t])) for i, (g, t) in enumerate(zip(got, run.tokens, strict=True)))
+            self.distinct(stale, label)
+            parts.append(f"{label}: {switch}+{len(versions) - switch} tokens, {old_worst:.1e}/{new_worst:.1e}")
+        return "; ".join(parts)
+
+    async def weights_serialised_then_fresh(self) -> str:
+        """Concurrent updates run one at a time (the last one wins); then greedy decoding matches the new
+        checkpoint (teacher forcing; for hf also a fresh engine started from it), prefix cache rebuilt."""
+        first, last = await asyncio.to_thread(self.checkpoint, 1), await asyncio.to_thread(self.checkpoint, 3)
+        await asyncio.gather(
+            self.engine.update_weights(str(first), 3, "drain"),  # type: ignore[attr-defined]
+            self.engine.update_weights(str(last), 4, "inflight"),  # type: ignore[attr-defined]
+        )
+        assert self.engine.policy_version == 4, f"policy_version {self.engine.policy_version}"  # type: ignore[attr-defined]
+        params = GenerationParams(max_new_tokens=12, temperature=0.0, top_logprobs=2)
+        runs = [await self.run(LONG_PROMPT, params), await self.run(LONG_PROMPT, params)]
+        cached = [r.steps[0].num_cached_tokens for r in runs]
+        assert not cached[0], f"{cached[0]} prompt tokens from a cache computed by older weights"
+        parts = [f"num_cached_tokens {cached}"]
+        for run in runs:
+            assert set(run.versions) == {4}, f"versions {run.versions}"
+            worst = self.worst(last, LONG_PROMPT, run, params)
+            assert worst < self.tol, f"|Δ| {worst:.2e} under the new weights"
+            reference = self.expected(last, LONG_PROMPT, run.tokens, params)
+            for token, row in zip(run.tokens, reference, strict=True):
+                gap = float(row.max() - row[token])
+                assert gap < self.tol, f"greedy token {token} is {gap:.2e} below the new weights' argmax"
+        parts.append(f"greedy == teacher forcing under the new weights, |Δ| {worst:.1e}")
+        if self.name == "hf":
+            fresh = make_engine("hf", str(last), self.device, self.dtype)
+            await fresh.start()  # type: ignore[attr-defined]
+            try:
+                out = Run()
+                async for step in fresh.generate("fresh", LONG_PROMPT, params):  # type: ignore[attr-defined]
+                    out.steps.append(step)
+            finally:
+                await fresh.close()  # type: ignore[attr-defined]
+            assert out.tokens == runs[0].tokens, f"fresh engine {out.tokens} != updated {runs[0].tokens}"
+            delta = max(abs(a - b) for a, b in zip(out.logprobs, runs[0].logprobs, strict=True))
+            assert delta < self.tol, f"fresh engine logprobs differ by {delta:.2e}"
+            parts.append(f"== a fresh engine ({delta:.1e})")
+        return "; ".join(parts)
+
 
 CHECKS: list[str] = [
     "prompt_ids_echoed",
@@ -254,6 +557,10 @@ CHECKS: list[str] = [
     "many_concurrent",
     "context_overflow",
     "logprobs_match_teacher_forcing",
+    "weights_refused",
+    "weights_drain",
+    "weights_inflight",
+    "weights_serialised_then_fresh",
 ]
 
 
@@ -312,6 +619,18 @@ async def run_suite(
                 print(f"ok   {name} {check}: {detail}", flush=True)
     finally:
         await engine.close()  # type: ignore[attr-defined]
+        contract.cleanup()
+    try:  # a closed engine refuses updates
+        await engine.update_weights(model, 9, "drain")  # type: ignore[attr-defined]
+    except EngineError as exc:
+        passed += 1
+        print(f"ok   {name} weights_after_close: {exc.code}", flush=True)
+    except Exception as exc:
+        failed += 1
+        print(f"FAIL {name} weights_after_close: {exc!r}", flush=True)
+    else:
+        failed += 1
+        print(f"FAIL {name} weights_after_close: a closed engine accepted an update", flush=True)
     for note in contract.notes:
         print(f"note {name}: {note}")
     print(f"{passed} passed, {failed} failed")

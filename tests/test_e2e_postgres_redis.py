@@ -245,3 +245,40 @@ def test_idempotent_retries_across_replicas_make_each_thing_once(cluster: tuple[
     other = httpx.post(f"{b}/chats/{chat}/assistant_message", json={**ask, "model_config_name": "x"},
                        headers={**headers, **k})  # fmt: skip
     assert other.status_code == 422 and other.json()["code"] == "idempotency_key_reused"
+
+
+def test_a_push_through_one_replica_loads_the_workers_of_the_other(
+    cluster: tuple[str, str], postgres_url: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The worker is connected to the first replica; the push goes to the second, which checks and
+    loads through the relay. The version is recorded in PostgreSQL, shown by both replicas, and the
+    next reply's tokens score under the new weights."""
+    from server.admin import issue_user_key
+    from tests.test_weights import TOLERANCE, Scorer, make_checkpoint
+
+    a, b = cluster
+    settings = ServerSettings(database_url=postgres_url, migrate_on_start=False)
+    admin = {"Authorization": f"Bearer {issue_user_key(settings, 'pg-trainer', admin=True)}"}
+    current = next(m["policy_version"] for m in httpx.get(f"{b}/configs/model_configs").json() if m["name"] == MODEL)
+    version = current + 1
+    checkpoint = make_checkpoint(tiny_model_dir, tmp_path / "v", seed=version)
+    body = {"path": str(checkpoint), "version": version, "mode": "drain"}
+    resp = httpx.post(f"{b}/admin/models/{MODEL}/weights", json=body, headers=admin, timeout=120)
+    assert resp.status_code == 200, resp.text
+    assert [w["version"] for w in resp.json()["workers"]] == [version]
+    for url in (a, b):
+        configs = httpx.get(f"{url}/configs/model_configs").json()
+        assert [m["policy_version"] for m in configs if m["name"] == MODEL] == [version]
+    stale = httpx.post(f"{a}/admin/models/{MODEL}/weights", json=body, headers=admin)
+    assert (stale.status_code, stale.json()["code"]) == (409, "version_not_newer")
+
+    headers = login(b, "pg-weights")
+    chat = httpx.post(f"{b}/chats", json={}, headers=headers).json()["id"]
+    prompt = httpx.post(f"{b}/chats/{chat}/prompter_message", json={"parent_id": None, "content": "v"}, headers=headers)
+    ask = {"parent_id": prompt.json()["id"], "model_config_name": MODEL,
+           "sampling_parameters": {"max_new_tokens": 12, "ignore_eos": True, "temperature": 1.0}}  # fmt: skip
+    mid = httpx.post(f"{b}/chats/{chat}/assistant_message", json=ask, headers=headers).json()["id"]
+    assert events(b, f"/chats/{chat}/messages/{mid}/events", headers)[-1]["event_type"] == "message"
+    msg = httpx.get(f"{a}/chats/{chat}/messages/{mid}", params={"include": "tokens"}, headers=headers).json()
+    assert msg["policy_versions"] == [[0, version]]
+    assert Scorer({version: checkpoint}).max_delta(msg) < TOLERANCE

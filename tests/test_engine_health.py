@@ -55,6 +55,37 @@ def test_a_dead_hf_engine_is_restarted_and_its_requests_named(tiny_model_dir: Pa
     asyncio.run(scenario())
 
 
+def test_a_restarted_engine_loads_the_weights_its_predecessor_served(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """After a push, an engine restarted after a death serves the pushed version, not its model
+    directory's weights: the same greedy tokens and logprobs as before the death."""
+    from tests.test_weights import make_checkpoint
+
+    checkpoint = make_checkpoint(tiny_model_dir, tmp_path / "v5", seed=5)
+
+    async def scenario() -> None:
+        health = SupervisedEngine(lambda: HFEngine(str(tiny_model_dir)), FAST)
+        await health.start()
+        greedy = GenerationParams(max_new_tokens=8, temperature=0.0)
+        base = [s async for s in health.generate("a", [1, 2, 3], greedy)]
+        await health.update_weights(str(checkpoint), 5, "drain")
+        assert health.policy_version == 5
+        before = [s async for s in health.generate("b", [1, 2, 3], greedy)]
+        assert [s.logprobs for s in before] != [s.logprobs for s in base]
+        health.inject_fault()
+        with pytest.raises(EngineDead):
+            async for _ in health.generate("c", [1, 2, 3], GenerationParams(max_new_tokens=50)):
+                pass
+        await asyncio.wait_for(health.wait_ready(), timeout=60)
+        assert health.restarts == 1 and health.policy_version == 5
+        after = [s async for s in health.generate("d", [1, 2, 3], greedy)]
+        assert [(s.token_ids, s.logprobs, s.policy_version) for s in after] == [
+            (s.token_ids, s.logprobs, s.policy_version) for s in before
+        ]
+        await health.close()
+
+    asyncio.run(scenario())
+
+
 def test_an_engine_that_cannot_be_restarted_ends_the_worker(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Restarts that fail max_failed_restarts times in a row: state failed, EngineUnrecoverable."""
     paths = iter([str(tiny_model_dir)])

@@ -24,6 +24,7 @@ TABLES = {
     "messages",
     "message_tokens",
     "idempotency_keys",
+    "policy_versions",
     "alembic_version",
 }
 

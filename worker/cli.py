@@ -126,9 +126,24 @@ def model_tiny(
     typer.echo(str(path))
 
 
+def _weights_overrides(values: list[str] | None) -> dict[int, str]:
+    """``--weights N=DIR`` values as version -> directory."""
+    out: dict[int, str] = {}
+    for value in values or []:
+        version, sep, directory = value.partition("=")
+        if not sep or not version.strip().isdigit() or not directory:
+            raise typer.BadParameter(f"--weights takes N=DIR (a version, then a checkpoint directory), not {value!r}")
+        if int(version) in out:
+            raise typer.BadParameter(f"--weights names version {int(version)} twice")
+        out[int(version)] = directory
+    return out
+
+
 def verify(
     file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="An export (JSONL or Parquet).")],
-    model: Annotated[str, typer.Option(help="The model that generated it: HF dir or id, or 'tiny'.")],
+    model: Annotated[
+        str, typer.Option(help="The model that generated it (policy version 0): HF dir or id, or 'tiny'.")
+    ],
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     schema: Annotated[
         str | None, typer.Option(help="The export's --schema (default: read from native records).")
@@ -136,13 +151,28 @@ def verify(
     temperature: Annotated[
         float | None, typer.Option(help="Sampling temperature for schemas that do not record it.")
     ] = None,
+    weights: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="N=DIR",
+            help="The checkpoint directory of policy version N (repeatable): overrides the path the export"
+            " names for N, and --model for N=0.",
+        ),
+    ] = None,
 ) -> None:
-    """Re-score every exported sample by teacher forcing (fp32) and check masks and prefixes."""
+    """Re-score every exported sample by teacher forcing (fp32) and check masks and prefixes.
+
+    Tokens are re-scored under the weights of the policy version that generated them: version 0 is
+    --model, version N the checkpoint directory the export names for it or --weights N=DIR (loaded into
+    --model by tensor name). A version whose weights are found nowhere, or cannot be loaded, fails."""
     from worker.tiny import resolve_model
     from worker.verify import verify_file
 
+    overrides = _weights_overrides(weights)
     try:
-        report = verify_file(file, resolve_model(model), device=device, schema=schema, temperature=temperature)
+        report = verify_file(
+            file, resolve_model(model), device=device, schema=schema, temperature=temperature, weights=overrides
+        )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     typer.echo(report.summary())

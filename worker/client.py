@@ -34,7 +34,9 @@ from shared.protocol import (
     FEATURE_ENGINE,
     FEATURE_RPC,
     FEATURE_UNSEEDED,
+    FEATURE_WEIGHTS,
     PROTOCOL_VERSION,
+    WEIGHTS_METHODS,
     CancelFrame,
     CreditFrame,
     DrainFrame,
@@ -56,6 +58,7 @@ from worker.generation import Pipeline, engine_request_id
 from worker.prompt_builder import CloserPolicy, PromptMode, template_error
 from worker.reconnect import ReconnectPolicy
 from worker.rpc import RpcError, handle_rpc, vocab_size
+from worker.weights import policy_version, serves_weights, weights_call
 
 log = logging.getLogger(__name__)
 
@@ -91,10 +94,11 @@ def websocket_url(server_url: str) -> str:
 
 
 class WorkerClient:
-    def __init__(self, options: WorkerOptions, engine: Engine, fmt: ChatFormat) -> None:
+    def __init__(self, options: WorkerOptions, engine: Engine, fmt: ChatFormat, model_path: str | None = None) -> None:
         self.options = options
         self.engine = engine
         self.fmt = fmt
+        self.model_path = model_path  # the checkpoint it started from: pushed weights are checked against it
         self.pipeline = Pipeline(engine, fmt, prompt_mode=options.prompt_mode, closer_policy=options.closer_policy)
         self._channel: Channel | None = None
         self._send_lock = asyncio.Lock()
@@ -130,11 +134,12 @@ class WorkerClient:
             compat_hash=self.fmt.compat_hash,
             capacity=self.options.max_parallel,
             max_context=self.engine.info.max_context,
-            features=[FEATURE_RPC, FEATURE_UNSEEDED],
+            features=[FEATURE_RPC, FEATURE_UNSEEDED, *([FEATURE_WEIGHTS] if serves_weights(self.engine) else [])],
             vocab_size=vocab_size(self.fmt),
             released=list(self._released.items()),
             engine_deaths=self.health.deaths if self.health else 0,
             engine_restarts=self.health.restarts if self.health else 0,
+            policy_version=policy_version(self.engine),
         )
 
     async def drain(self, timeout_s: float) -> None:
@@ -256,6 +261,8 @@ class WorkerClient:
                         self._tasks[key] = asyncio.create_task(self._work(frame), name=f"work-{key}")
                     elif isinstance(frame, CancelFrame):
                         await self.pipeline.cancel(frame.message_id, frame.attempt)
+                    elif isinstance(frame, RpcFrame) and frame.method in WEIGHTS_METHODS:
+                        self._in_background(self._weights(frame, channel))  # a drain waits for running work
                     elif isinstance(frame, RpcFrame):
                         await self._send(self._rpc(frame))
                     elif isinstance(frame, ErrorFrame):
@@ -277,6 +284,12 @@ class WorkerClient:
             return RpcResultFrame(
                 id=frame.id, code=ErrorCode.engine_error.value, message=f"{type(exc).__name__}: {exc}"
             )
+
+    async def _weights(self, frame: RpcFrame, channel: Channel) -> None:
+        answer = await weights_call(self.engine, self.model_path, frame)
+        if self._channel is channel:  # else the server that asked is gone: its push ends without this worker
+            with contextlib.suppress(ConnectionError, websockets.exceptions.WebSocketException):
+                await self._send(answer)
 
     def _raise_error(self, frame: ErrorFrame) -> None:
         if frame.code in FATAL_CODES:
@@ -433,7 +446,12 @@ class WorkerClient:
         health = self.health
         assert health is not None and state != "starting"
         return EngineFrame(
-            state=state, deaths=health.deaths, restarts=health.restarts, error=health.error, running=running
+            state=state,
+            deaths=health.deaths,
+            restarts=health.restarts,
+            error=health.error,
+            running=running,
+            policy_version=health.policy_version,
         )
 
     async def _engine_died(self, running: list[tuple[str, int]]) -> None:

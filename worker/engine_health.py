@@ -7,7 +7,9 @@ tells its listeners at once (the worker client stops taking work and hands back 
 the requests that were in the engine), closes the dead engine and builds a new one. Restarts wait
 ``backoff_s``, doubling per death or failed start since the engine last stayed up ``stable_s``, up to
 ``backoff_max_s``; after ``max_failed_restarts`` failed starts in a row it gives up (state ``failed``,
-``EngineUnrecoverable``), and the worker exits non-zero so that its supervisor starts it afresh.
+``EngineUnrecoverable``), and the worker exits non-zero so that its supervisor starts it afresh. A fresh
+engine loads the weights last pushed to the old one (``update_weights``) before it is ready, so that a
+restart never brings back an older version.
 """
 
 from __future__ import annotations
@@ -20,7 +22,15 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
-from worker.engines.contract import Engine, EngineDead, EngineInfo, GenerationParams, TokenStep
+from worker.engines.contract import (
+    Engine,
+    EngineDead,
+    EngineError,
+    EngineInfo,
+    GenerationParams,
+    TokenStep,
+    WeightsMode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +85,20 @@ class SupervisedEngine:
         self._streak = 0  # deaths and failed starts since the engine last stayed up stable_s
         self._restarter: asyncio.Task[None] | None = None
         self._monitor: asyncio.Task[None] | None = None
+        self.weights: tuple[str, int] | None = None  # (path, version) last loaded: a fresh engine loads it too
+
+    @property
+    def policy_version(self) -> int:
+        """The weights version the current engine serves."""
+        return int(getattr(self._engine, "policy_version", 0))
+
+    async def update_weights(self, path: str, version: int, mode: WeightsMode) -> None:
+        """Load pushed weights into the current engine (``Engine.update_weights``); remembered, so that
+        an engine started after a death loads them before it takes work."""
+        if self.state != "ready":
+            raise EngineError("not_ready", f"the engine is {self.state}")
+        await self._engine.update_weights(path, version, mode)
+        self.weights = (path, version)
 
     def on_change(self, listener: Listener) -> None:
         self._listeners.append(listener)
@@ -151,6 +175,8 @@ class SupervisedEngine:
             try:
                 engine = self._factory()
                 await engine.start()
+                if self.weights is not None:  # the version it served, not the one it started from
+                    await self._reload(engine, *self.weights)
             except Exception as exc:
                 failed += 1
                 self.error = f"restart failed: {exc!r}"
@@ -169,6 +195,13 @@ class SupervisedEngine:
             log.warning("engine restarted (restart %d)", self.restarts)
             self._ready()
             return
+
+    async def _reload(self, engine: Engine, path: str, version: int) -> None:
+        try:
+            await engine.update_weights(path, version, "drain")
+        except EngineError as exc:  # it serves what it started from; the server asks for the version again
+            log.error("the restarted engine could not load weights version %d from %s: %s", version, path, exc)
+            self.weights = None
 
     def _ready(self) -> None:
         self._up_since = time.monotonic()

@@ -27,6 +27,7 @@ class StepTokens:
     channels: str | None = None  # one CHANNEL_* character per token
     top_logprobs: list[list[TopLogprob]] | None = None
     prompt_ids: list[int] | None = None  # on an attempt's first frame: the prompt it generates from
+    policy_version: int | None = None  # the weights version that computed these tokens
 
     def json(self) -> bytes:
         """``TokensFrame(...).model_dump_json()``, encoded (the keys in the model's field order)."""
@@ -43,6 +44,7 @@ class StepTokens:
                     "channels": self.channels,
                     "top_logprobs": self.top_logprobs,
                     "prompt_ids": self.prompt_ids,
+                    "policy_version": self.policy_version,
                 }
             )
         except TypeError:  # a value orjson does not take as it is (a numpy scalar): pydantic coerces it
@@ -60,4 +62,5 @@ class StepTokens:
             channels=self.channels,
             top_logprobs=self.top_logprobs,
             prompt_ids=self.prompt_ids,
+            policy_version=self.policy_version,
         )

@@ -145,6 +145,7 @@ class Generation:
         self.finish_reason: FinishReason = "length"
         self.stop_reason: int | str | None = None
         self.num_cached_tokens: int | None = None
+        self.policy_versions: list[tuple[int, int]] = []  # [start, version] spans of token_ids
         self._prompt_sent = False  # the first frame of an attempt carries the prompt
 
     def resume(self, resume: ResumeState) -> None:
@@ -156,6 +157,7 @@ class Generation:
                 self.tracker.feed(tid, resume.texts[k] if k < len(resume.texts) else "")
         self.token_ids += resume.token_ids
         self.logprobs += resume.logprobs
+        self.policy_versions += [(int(a), int(v)) for a, v in resume.policy_versions]
         # Keep the earlier attempt's text split exactly as readers already received it.
         pos = 0
         for piece in resume.texts:
@@ -189,6 +191,8 @@ class Generation:
         for piece in texts:
             end += len(piece)
             offsets.append(end)
+        if step_ids and (not self.policy_versions or self.policy_versions[-1][1] != step.policy_version):
+            self.policy_versions.append((start, step.policy_version))
         self.token_ids += step_ids
         self.logprobs += lps
         with_prompt, self._prompt_sent = not self._prompt_sent, True
@@ -203,6 +207,7 @@ class Generation:
             None if tracker is None else "".join([tracker.feed(t, x) for t, x in zip(step_ids, texts, strict=True)]),
             self._top(top),
             self.prompt.prompt_ids if with_prompt else None,
+            step.policy_version,
         )
         return tokens, hit
 
@@ -243,6 +248,7 @@ class Generation:
             num_cached_tokens=self.num_cached_tokens,
             resumed_at=[len(resume.token_ids)] if resume else [],
             prompt_check=self.prompt_check,
+            policy_versions=self.policy_versions,
         )
 
     def _top(self, rows: list[list[tuple[int, float]]] | None) -> list[list[TopLogprob]] | None:

@@ -70,7 +70,7 @@ class LoadedModel:
             prompt_mode=spec.prompt_mode,
             closer_policy=spec.closer_policy,
         )
-        return WorkerClient(options, self.engine, self.fmt)
+        return WorkerClient(options, self.engine, self.fmt, self.path)
 
 
 async def load_model(spec: ModelSpec) -> LoadedModel:

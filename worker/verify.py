@@ -1,10 +1,19 @@
 """``tokentrail verify``: re-score exported samples by teacher forcing and check their structure.
 
-For every sample: one fp32 forward pass over its tokens; each turn's completion positions are
+For every sample and every policy version its generated tokens come from: one fp32 forward pass over
+its tokens under that version's weights; each turn's completion positions of that version are
 re-scored under that turn's sampling (temperature, top-k, top-p, typical-p, repetition penalty,
-processed exactly as during generation) and compared with the stored logprobs. Also checked:
-the loss mask covers exactly the generated tokens (native records), and each turn of a sample
-extends the turns before it. The exit code is non-zero when any check fails.
+processed exactly as during generation) and compared with the stored logprobs. Also checked: the loss
+mask covers exactly the generated tokens (native records), each turn of a sample extends the turns
+before it, and (native records) the samples' per-token versions are the turns' version spans. The exit
+code is non-zero when any check fails.
+
+The weights of version N: a ``--weights N=DIR`` override, else ``--model`` for version 0, else the
+checkpoint directory the export names for N (``policy_paths``). A version found nowhere, or whose
+checkpoint cannot be loaded, fails the run and is named. Records without versions are all version 0:
+``--model``. A checkpoint is loaded into ``--model``'s architecture by tensor name, as the workers load
+a push (worker/engines/hf.py). The file is read once for the structure and the versions, then once per
+version, so that each version's weights are loaded once.
 """
 
 from __future__ import annotations
@@ -31,8 +40,11 @@ class VerifyReport:
     max_abs_delta: float = 0.0
     mask_mismatches: int = 0
     extension_breaks: int = 0
+    version_mismatches: int = 0
     skipped: int = 0
     problems: list[str] = field(default_factory=list)
+    versions: dict[int, int] = field(default_factory=dict)  # policy version -> generated positions
+    missing_weights: dict[int, str] = field(default_factory=dict)  # version -> why it was not re-scored
 
     @property
     def ok(self) -> bool:
@@ -41,11 +53,15 @@ class VerifyReport:
             and self.over_tolerance == 0
             and self.mask_mismatches == 0
             and self.extension_breaks == 0
+            and self.version_mismatches == 0
+            and not self.missing_weights
             and self.max_abs_delta <= TOLERANCE
         )
 
     def summary(self) -> str:
         share = self.over_tolerance / self.positions if self.positions else 0.0
+        versions = ", ".join(f"{v} ({n} positions)" for v, n in sorted(self.versions.items())) or "none"
+        missing = ", ".join(str(v) for v in sorted(self.missing_weights)) or "none"
         lines = [
             f"samples checked:             {self.samples}" + (f" ({self.skipped} skipped)" if self.skipped else ""),
             f"generated positions:         {self.positions}",
@@ -53,9 +69,13 @@ class VerifyReport:
             f"max |dlogprob|:              {self.max_abs_delta:.3g}",
             f"loss-mask mismatches:        {self.mask_mismatches}",
             f"extension-property breaks:   {self.extension_breaks}",
+            f"policy versions:             {versions}",
+            f"policy-version mismatches:   {self.version_mismatches}",
+            f"versions without weights:    {missing}",
             "PASS" if self.ok else "FAIL",
         ]
-        return "\n".join(lines + [f"  - {p}" for p in self.problems[:20]])
+        problems = list(self.missing_weights.values()) + self.problems
+        return "\n".join(lines + [f"  - {p}" for p in problems[:20]])
 
 
 @dataclass
@@ -72,6 +92,12 @@ class SampleView:
     logprobs: list[float]
     turns: list[TurnView]
     where: str
+    versions: list[int] | None = None  # per position (-1 off the generated tokens); None: all version 0
+    paths: dict[str, str | None] = field(default_factory=dict)  # version -> checkpoint, as exported
+
+    def version_at(self) -> list[int]:
+        """The policy version of every position (0 everywhere when the record has none)."""
+        return self.versions if self.versions is not None else [0] * len(self.token_ids)
 
 
 def read_records(path: Path) -> Iterator[dict[str, Any]]:
@@ -101,8 +127,34 @@ def _params(sampling: dict[str, Any] | str | None, temperature: float | None = N
     )
 
 
+def _json_object(value: Any) -> dict[str, Any]:
+    """A free-form object, or the JSON text Parquet stores it as."""
+    return dict((json.loads(value) if isinstance(value, str) else value) or {})
+
+
+def _native_versions(
+    rollout: dict[str, Any], sample: dict[str, Any], where: str, report: VerifyReport
+) -> list[int] | None:
+    """A native sample's per-position versions, checked against its turns' ``[start, version]`` spans."""
+    from shared.rollout import sample_versions
+
+    spans = [(int(a), int(b)) for a, b in sample["turn_spans"]]
+    group = [int(i) for i in sample["turn_indices"]]
+    n = len(sample["token_ids"])
+    from_turns = sample_versions(spans, group, rollout["turns"], n)
+    stored = sample.get("policy_versions")
+    if stored is None:
+        return from_turns
+    versions = [int(v) for v in stored]
+    if from_turns is not None and versions != from_turns:
+        report.version_mismatches += 1
+        report.problems.append(f"{where}: policy_versions differ from the turns' policy_versions spans")
+    return versions
+
+
 def native_views(rollout: dict[str, Any], report: VerifyReport) -> list[SampleView]:
     turns = rollout["turns"]
+    paths = _json_object(rollout.get("policy_paths"))
     views = []
     for k, sample in enumerate(rollout["samples"]):
         where = f"rollout {rollout['rollout_id']} sample {k}"
@@ -134,6 +186,8 @@ def native_views(rollout: dict[str, Any], report: VerifyReport) -> list[SampleVi
                     for i, (s, e) in zip(sample["turn_indices"], spans, strict=True)
                 ],
                 where,
+                _native_versions(rollout, sample, where, report),
+                paths,
             )
         )
     return views
@@ -151,47 +205,181 @@ def adapter_views(record: dict[str, Any], schema: str, temperature: float | None
             for i, (s, e) in enumerate(view["turn_spans"])
         ]
         views.append(
-            SampleView(list(view["token_ids"]), list(view["loss_mask"]), list(view["logprobs"]), turns, f"record {k}")
+            SampleView(
+                list(view["token_ids"]),
+                list(view["loss_mask"]),
+                list(view["logprobs"]),
+                turns,
+                f"record {k}",
+                view["policy_versions"],
+                view["policy_paths"] or {},
+            )
         )
     return views
 
 
-def verify_file(
-    path: Path, model_path: str, *, device: str = "cpu", schema: str | None = None, temperature: float | None = None
-) -> VerifyReport:
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    from worker.sampling import gather_logprobs, teacher_forced_logprobs
-
-    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # our report is the output
-    hf: Any = AutoModelForCausalLM
-    model = hf.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
-    report = VerifyReport()
-    for record in read_records(path):
+def _views(path: Path, schema: str | None, temperature: float | None, report: VerifyReport) -> Iterator[SampleView]:
+    for n, record in enumerate(read_records(path)):
         kind = schema or str(record.get("schema", ""))
         if kind == "tokentrail":
             views = native_views(record, report)
         elif kind:
             views = adapter_views(record, kind, temperature)
+            for k, view in enumerate(views):
+                view.where = f"record {n}" if len(views) == 1 else f"record {n} sample {k}"
         else:
             raise ValueError("records carry no schema name: pass --schema")
-        for view in views:
-            if not view.turns:
-                report.skipped += 1
+        yield from views
+
+
+def _survey(path: Path, schema: str | None, temperature: float | None, report: VerifyReport) -> dict[int, str]:
+    """The structural checks and the versions' positions (into ``report``); the checkpoint directory
+    the export names for each version (the first one named)."""
+    exported: dict[int, str] = {}
+    for view in _views(path, schema, temperature, report):
+        if not view.turns:
+            report.skipped += 1
+            continue
+        report.samples += 1
+        versions = view.version_at()
+        unknown = 0
+        for turn in view.turns:
+            for v in versions[turn.start : turn.end]:
+                if v < 0:
+                    unknown += 1
+                else:
+                    report.versions[v] = report.versions.get(v, 0) + 1
+        if unknown:
+            report.version_mismatches += 1
+            report.problems.append(f"{view.where}: {unknown} generated tokens have no policy version")
+        for key, directory in view.paths.items():
+            if directory and int(key) not in exported:
+                exported[int(key)] = directory
+    return exported
+
+
+def weights_sources(
+    versions: dict[int, int], exported: dict[int, str], overrides: dict[int, str], report: VerifyReport
+) -> dict[int, str | None]:
+    """Where each version's weights come from: a directory, or None for ``--model`` itself. A version
+    found nowhere goes to ``report.missing_weights``."""
+    sources: dict[int, str | None] = {}
+    for v in sorted(versions):
+        if v in overrides:
+            sources[v] = overrides[v]
+        elif v == 0:
+            sources[v] = None
+        elif v in exported:
+            sources[v] = exported[v]
+        else:
+            report.missing_weights[v] = (
+                f"version {v} ({versions[v]} positions): no weights: the export names no checkpoint for it;"
+                f" pass --weights {v}=DIR"
+            )
+    return sources
+
+
+def load_weights(model: Any, directory: str) -> None:
+    """Load a checkpoint directory's safetensors into ``model`` by tensor name (every parameter must get
+    a value of its shape), as the workers load a pushed version; ValueError when it cannot."""
+    import torch
+    from safetensors.torch import load_file
+
+    from worker.checkpoint import safetensors_files
+
+    try:
+        tensors: dict[str, Any] = {}
+        for file in safetensors_files(directory):
+            tensors.update(load_file(str(file), device="cpu"))
+    except Exception as exc:
+        raise ValueError(f"cannot read {directory}: {exc}") from exc
+    targets = model.state_dict(keep_vars=True)
+    problems = [
+        f"{name!r} has shape {list(t.shape)}, the model's {list(targets[name].shape)}"
+        for name, t in sorted(tensors.items())
+        if name in targets and t.shape != targets[name].shape
+    ]
+    covered = {id(targets[name]) for name in tensors if name in targets}
+    problems += [
+        f"nothing for parameter {name!r}"
+        for name, target in targets.items()
+        if isinstance(target, torch.nn.Parameter) and id(target) not in covered
+    ]
+    if problems:
+        raise ValueError(f"{directory} does not fit the model: {'; '.join(problems[:5])}")
+    with torch.no_grad():
+        for name, t in tensors.items():
+            if name in targets:
+                targets[name].copy_(t)
+
+
+def _rescore(model: Any, version: int, view: SampleView, report: VerifyReport, device: str) -> int:
+    """Compare the sample's positions of ``version`` with ``model``'s; how many differ."""
+    import torch
+
+    from worker.sampling import gather_logprobs, teacher_forced_logprobs
+
+    versions = view.version_at()
+    turns = [t for t in view.turns if version in versions[t.start : t.end]]
+    if not turns:
+        return 0
+    with torch.no_grad():
+        ids = torch.tensor([view.token_ids], device=device)
+        logits = model(input_ids=ids).logits[0].float()
+    over = 0
+    for turn in turns:
+        rows = teacher_forced_logprobs(logits, view.token_ids[: turn.end], turn.start, turn.params)
+        rescored = gather_logprobs(rows, view.token_ids[turn.start : turn.end]).tolist()
+        for t, fresh in enumerate(rescored, start=turn.start):
+            if versions[t] != version:
                 continue
-            report.samples += 1
-            with torch.no_grad():
-                ids = torch.tensor([view.token_ids], device=device)
-                logits = model(input_ids=ids).logits[0].float()
-            for turn in view.turns:
-                rows = teacher_forced_logprobs(logits, view.token_ids[: turn.end], turn.start, turn.params)
-                rescored = gather_logprobs(rows, view.token_ids[turn.start : turn.end]).tolist()
-                for stored, fresh in zip(view.logprobs[turn.start : turn.end], rescored, strict=True):
-                    delta = abs(stored - fresh) if math.isfinite(fresh) else math.inf
-                    report.positions += 1
-                    report.max_abs_delta = max(report.max_abs_delta, delta)
-                    if delta > TOLERANCE:
-                        report.over_tolerance += 1
+            delta = abs(view.logprobs[t] - fresh) if math.isfinite(fresh) else math.inf
+            report.positions += 1
+            report.max_abs_delta = max(report.max_abs_delta, delta)
+            if delta > TOLERANCE:
+                report.over_tolerance += 1
+                over += 1
+    return over
+
+
+def verify_file(
+    path: Path,
+    model_path: str,
+    *,
+    device: str = "cpu",
+    schema: str | None = None,
+    temperature: float | None = None,
+    weights: dict[int, str] | None = None,
+) -> VerifyReport:
+    """Verify an export; ``weights``: version -> checkpoint directory, over the export's own paths."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    report = VerifyReport()
+    exported = _survey(path, schema, temperature, report)
+    sources = weights_sources(report.versions, exported, weights or {}, report)
+    if not sources:
+        return report
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # our report is the output
+    hf: Any = AutoModelForCausalLM
+    model = hf.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
+    # ascending: version 0 (the --model as loaded) first, then each checkpoint loaded over the last
+    for version, source in sorted(sources.items()):
+        if source is not None:
+            try:
+                load_weights(model, source)
+            except ValueError as exc:
+                report.missing_weights[version] = f"version {version}: {exc}"
+                continue
+        over = 0
+        for view in _views(path, schema, temperature, VerifyReport()):
+            if view.turns:
+                over += _rescore(model, version, view, report, device)
+        if over:
+            where = source or model_path
+            report.problems.append(
+                f"version {version} ({where}): {over} of {report.versions[version]} positions differ by more"
+                f" than {TOLERANCE:g}"
+            )
     return report

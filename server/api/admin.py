@@ -41,6 +41,18 @@ async def export(
     min_score: float | None = None,
     include_incomplete: bool = False,
     reward_rule: Annotated[str, Query(pattern="^(last|mean|min|leaf)$")] = "last",
+    min_version: Annotated[
+        int | None,
+        Query(ge=0, description="Only rollouts whose every generated token has this policy version or above."),
+    ] = None,
+    max_staleness: Annotated[
+        int | None,
+        Query(
+            ge=0,
+            description="Only rollouts whose every generated token's policy version is at least the model's newest"
+            " registered version minus this.",
+        ),
+    ] = None,
 ) -> StreamingResponse:
     """Rollouts as JSON Lines, streamed (same filters and schemas as ``tokentrail export``)."""
     from shared.rollout_adapters import SCHEMAS, adapt
@@ -57,6 +69,8 @@ async def export(
         min_score=min_score,
         include_incomplete=include_incomplete,
         reward_rule=reward_rule,  # type: ignore[arg-type]
+        min_version=min_version,
+        max_staleness=max_staleness,
     )
 
     async def lines() -> AsyncIterator[bytes]:

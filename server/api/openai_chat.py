@@ -72,6 +72,7 @@ async def list_models(state: StateDep, _user: CurrentUser) -> dict[str, Any]:
                 "owned_by": "tokentrail",
                 "root": m.name,
                 "max_model_len": m.max_context,
+                "policy_version": state.hub.registry.current(m.name),  # tokentrail: its current weights version
             }
             for m in models
         ],

@@ -70,6 +70,7 @@ def message_to_read(msg: Message, tokens: MessageTokens | None = None) -> Messag
         attempt=msg.attempt if msg.role == "assistant" else None,
         worker_id=msg.worker_id if msg.role == "assistant" else None,
         session_key=msg.session_key,
+        policy_versions=policy_spans(msg) if msg.role == "assistant" else None,
     )
     if tokens is not None:
         read.prompt_token_ids = unpack_ids(tokens.prompt_ids)
@@ -83,6 +84,14 @@ def message_to_read(msg: Message, tokens: MessageTokens | None = None) -> Messag
         read.num_cached_tokens = tokens.num_cached_tokens
         read.prompt_method = tokens.prompt_method
     return read
+
+
+def policy_spans(msg: Message) -> list[tuple[int, int]] | None:
+    """A finished assistant message's [start, version] spans: the weights version of each completion
+    token ([(0, 0)] for one stored before versions were kept)."""
+    if msg.policy_versions:
+        return [(int(a), int(v)) for a, v in msg.policy_versions]
+    return [(0, 0)] if msg.completion_token_count else None
 
 
 def pending_assistant(chat_id: str, parent_id: str, work: WorkParameters) -> Message:

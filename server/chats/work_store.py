@@ -77,6 +77,7 @@ _STORE = (
         finish_reason=bindparam("b_finish_reason"),
         prompt_token_count=bindparam("b_prompt_token_count"),
         completion_token_count=bindparam("b_completion_token_count"),
+        policy_versions=bindparam("b_policy_versions", type_=_M.policy_versions.type),
         modified_at=bindparam("b_now"),
     )
 )
@@ -314,6 +315,7 @@ class WorkStore:
             "b_finish_reason": record.finish_reason,
             "b_prompt_token_count": len(record.prompt_ids),
             "b_completion_token_count": len(record.completion_ids),
+            "b_policy_versions": [list(span) for span in record.policy_versions] or None,
             "b_now": now,
         }
         key = reply_chain_hash(parent_chain, record) if chain_known else None

@@ -15,7 +15,7 @@ from sqlalchemy import Select, String, Text, case, cast, func, select, type_coer
 from sqlalchemy.engine import Dialect
 
 from server.db import SessionFactory
-from server.models import Chat, Message, MessageTokens
+from server.models import Chat, Message, MessageTokens, PolicyVersion
 from shared.rollout import RewardRule
 
 
@@ -30,6 +30,9 @@ class ExportFilters:
     min_score: float | None = None
     include_incomplete: bool = False
     reward_rule: RewardRule = "last"
+    # policy versions (docs/weights.md), over every generated token of the rollout's exported turns:
+    min_version: int | None = None  # each is at least this version
+    max_staleness: int | None = None  # each is at least its model's newest registered version minus this
 
 
 CHAT_COLUMNS: tuple[Any, ...] = (Chat.id, Chat.user_id)
@@ -44,6 +47,35 @@ def chat_query(filters: ExportFilters) -> Select[Any]:
     return q
 
 
+@dataclass(frozen=True)
+class PolicyPaths:
+    """The registry of weights versions (SQL ``policy_versions``) as an export reads it, once, at its
+    start: each model's pushed versions and their checkpoint directories. Version 0 (the weights the
+    workers start with) has no row and no path."""
+
+    paths: dict[str, dict[int, str]]  # model -> version -> checkpoint directory
+
+    def path(self, model: str, version: int) -> str | None:
+        return self.paths.get(model, {}).get(version)
+
+    def newest(self, model: str) -> int:
+        """The model's newest registered version (0: never pushed)."""
+        versions = self.paths.get(model)
+        return max(versions) if versions else 0
+
+
+NO_PATHS = PolicyPaths({})
+
+
+async def read_policy_paths(sessions: SessionFactory) -> PolicyPaths:
+    paths: dict[str, dict[int, str]] = {}
+    async with sessions() as s:
+        rows = await s.execute(select(PolicyVersion.model_name, PolicyVersion.version, PolicyVersion.path))
+        for model, version, path in rows:
+            paths.setdefault(str(model), {})[int(version)] = str(path)
+    return PolicyPaths(paths)
+
+
 async def count_chats(sessions: SessionFactory, filters: ExportFilters) -> int:
     async with sessions() as s:
         sub = chat_query(filters).subquery()
@@ -54,7 +86,7 @@ async def count_chats(sessions: SessionFactory, filters: ExportFilters) -> int:
 # assistant messages, one row of their token record (the _T* indices).
 M_ID, M_PARENT, M_ROLE, M_STATE, M_CONTENT, M_REASONING, M_TOOL_CALLS = range(7)
 MANUAL = "manual"
-M_MODEL, M_WORK, M_SCORE, M_VOTED, M_CREATED, M_CHAT = range(7, 13)
+M_MODEL, M_WORK, M_SCORE, M_VOTED, M_CREATED, M_CHAT, M_POLICY = range(7, 14)
 MSG_COLUMNS: tuple[Any, ...] = (
     Message.id,
     Message.parent_id,
@@ -69,6 +101,7 @@ MSG_COLUMNS: tuple[Any, ...] = (
     Message.voted_at.is_not(None).label("voted"),
     type_coerce(Message.created_at, String).label("created_at"),  # as the driver gives it: see Decoders
     Message.chat_id,
+    cast(Message.policy_versions, Text).label("policy_versions"),  # JSON text, as tool_calls
 )
 T_ID, T_PROMPT, T_COMPLETION, T_LOGPROBS, T_FINISH, T_STOP = range(6)
 T_ENGINE, T_TOKENIZER, T_TEMPLATE, T_REUSED, T_SYNTH, T_FORK, T_METHOD = range(6, 13)

@@ -1,6 +1,7 @@
 """Reading an export from the database batch by batch, in constant memory: a page of chats, their
 messages, then the token records of their complete assistant messages; the next batch is read while
-the current one becomes rollouts (``server/export/rollouts.py``)."""
+the current one becomes rollouts (``server/export/rollouts.py``). The registry of weights versions is
+read once, first."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from server.export.query import (
     ExportFilters,
     chat_query,
     decoders,
+    read_policy_paths,
 )
 from server.export.rollouts import rows_rollouts
 from server.models import Chat, Message, MessageTokens
@@ -112,6 +114,7 @@ class _Reader:
 
 
 async def iter_rollouts(sessions: SessionFactory, filters: ExportFilters) -> AsyncIterator[dict[str, Any]]:
+    paths = await read_policy_paths(sessions)  # the registry as of the export's start (a few rows)
     reader = _Reader(sessions, filters)
     batch = await reader.batch("")
     pending: asyncio.Task[_Batch | None] | None = None
@@ -123,7 +126,7 @@ async def iter_rollouts(sessions: SessionFactory, filters: ExportFilters) -> Asy
                 pending = asyncio.ensure_future(reader.batch(batch.chats[-1][0]))
             for i, (chat_id, user_id) in enumerate(batch.chats):
                 msgs = batch.messages.pop(chat_id, [])
-                for rollout in rows_rollouts(chat_id, user_id, msgs, batch.tokens, filters, batch.decoders):
+                for rollout in rows_rollouts(chat_id, user_id, msgs, batch.tokens, filters, batch.decoders, paths):
                     yield rollout
                 if pending is not None and i % 8 == 7 and not pending.done():
                     await asyncio.sleep(0)

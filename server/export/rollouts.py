@@ -6,6 +6,11 @@ ends in an assistant leaf (an assistant message with no assistant descendant); b
 separate rollouts that share their prefix. Chats whose owner opted out of data use are never
 exported.
 
+Policy versions: each turn carries its message's ``[start, version]`` spans (a message stored before
+versions were kept: ``[[0, 0]]``), each sample the version of each generated token, the rollout the
+registry's checkpoint directory of each version it uses. ``min_version`` and ``max_staleness`` keep
+the rollouts whose every generated token is recent enough (see ``ExportFilters``).
+
 Rewards: OA votes (-1, 0, 1) on assistant messages are per-turn rewards; the rollout reward
 follows ``reward_rule``: ``last`` (default: the last rated turn), ``mean``/``min`` over rated
 turns, or ``leaf`` (the leaf turn's vote). Unrated rollouts have reward None.
@@ -34,6 +39,7 @@ from server.export.query import (
     M_ID,
     M_MODEL,
     M_PARENT,
+    M_POLICY,
     M_REASONING,
     M_ROLE,
     M_SCORE,
@@ -42,6 +48,7 @@ from server.export.query import (
     M_VOTED,
     M_WORK,
     MANUAL,
+    NO_PATHS,
     T_COMPLETION,
     T_ENGINE,
     T_FINISH,
@@ -56,15 +63,24 @@ from server.export.query import (
     T_TOKENIZER,
     Decoders,
     ExportFilters,
+    PolicyPaths,
 )
-from shared.rollout import SCHEMA_NAME, SCHEMA_VERSION, RewardRule, build_samples, sample_record
+from shared.rollout import (
+    NO_VERSION,
+    SCHEMA_NAME,
+    SCHEMA_VERSION,
+    RewardRule,
+    build_samples,
+    sample_record,
+    token_versions,
+)
 
 _INT32 = np.dtype("<i4")
 _FLOAT32 = np.dtype("<f4")
 
 
 def chat_rollouts(
-    chat: Any, msgs: Sequence[Any], tokens: dict[str, Any], filters: ExportFilters
+    chat: Any, msgs: Sequence[Any], tokens: dict[str, Any], filters: ExportFilters, paths: PolicyPaths = NO_PATHS
 ) -> list[dict[str, Any]]:
     """The rollouts of one chat from decoded rows: ``msgs`` (message columns, in id order) and
     ``tokens`` (token rows by message id, for complete assistant messages)."""
@@ -83,6 +99,7 @@ def chat_rollouts(
             m.voted_at is not None,
             m.created_at,
             chat.id,
+            m.policy_versions,
         )
         for m in msgs
     ]
@@ -100,10 +117,11 @@ def chat_rollouts(
             t.reused_prefix_len,
             t.synthetic_token_count,
             t.fork,
+            t.prompt_method,
         )
         for mid, t in tokens.items()
     }
-    return rows_rollouts(chat.id, chat.user_id, rows, token_rows, filters, DECODED)
+    return rows_rollouts(chat.id, chat.user_id, rows, token_rows, filters, DECODED, paths)
 
 
 def rows_rollouts(
@@ -113,6 +131,7 @@ def rows_rollouts(
     tokens: dict[str, Any],
     filters: ExportFilters,
     dec: Decoders,
+    paths: PolicyPaths = NO_PATHS,
 ) -> list[dict[str, Any]]:
     by_id = {m[M_ID]: m for m in msgs}
     below: set[str] = set()  # messages with an assistant descendant
@@ -126,7 +145,7 @@ def rows_rollouts(
     for m in msgs:
         if m[M_ROLE] != "assistant" or m[M_STATE] == MANUAL or m[M_ID] in below:
             continue
-        rollout = _rollout(chat_id, user_id, _path(by_id, m[M_ID]), tokens, filters, dec)
+        rollout = _rollout(chat_id, user_id, _path(by_id, m[M_ID]), tokens, filters, dec, paths)
         if rollout is not None:
             out.append(rollout)
     return out
@@ -189,10 +208,37 @@ class _Packed(NamedTuple):
     completion_ids: list[int]
     logprobs: list[float]  # the turn's logprobs with 0.0 for None
     extends_prev: bool  # the prompt extends the previous turn's prompt + completion
+    versions: list[int]  # the policy version of each completion token
+
+
+LEGACY_SPANS = [[0, 0]]  # a message stored before versions were kept: every token from version 0
+
+
+def _spans(raw: Any) -> list[list[int]]:
+    """A message's stored ``[start, version]`` spans (None or empty: stored before versions were kept)."""
+    if not raw:
+        return [list(span) for span in LEGACY_SPANS]
+    return [[int(start), int(version)] for start, version in raw]
+
+
+def _version_floor(model: str, filters: ExportFilters, paths: PolicyPaths) -> int | None:
+    """The lowest version a turn of ``model`` may have under the version filters (None: any)."""
+    floors = []
+    if filters.min_version is not None:
+        floors.append(filters.min_version)
+    if filters.max_staleness is not None:
+        floors.append(paths.newest(model) - filters.max_staleness)
+    return max(floors) if floors else None
 
 
 def _rollout(
-    chat_id: str, user_id: str, path: list[Any], tokens: dict[str, Any], filters: ExportFilters, dec: Decoders
+    chat_id: str,
+    user_id: str,
+    path: list[Any],
+    tokens: dict[str, Any],
+    filters: ExportFilters,
+    dec: Decoders,
+    paths: PolicyPaths = NO_PATHS,
 ) -> dict[str, Any] | None:
     leaf = path[-1]
     if not _leaf_passes(leaf, filters, dec):
@@ -208,18 +254,31 @@ def _rollout(
     leaf_work = None
     prev_prompt = prev_completion = b""
     json_loads, to_datetime = dec.json, dec.datetime
+    policy_paths: dict[str, str | None] = {}
+    filter_versions = filters.min_version is not None or filters.max_staleness is not None
     for m in assistants:
         t = tokens.get(m[M_ID])
         if t is None:
             continue
+        completion_blob = t[T_COMPLETION]
+        if type(completion_blob) is not bytes or len(completion_blob) % 4:
+            completion_blob = _blob(completion_blob, "id")
+        n_completion = len(completion_blob) // 4
+        spans = _spans(json_loads(m[M_POLICY]))
+        used = [v for start, v in spans if start < n_completion]  # the versions of generated tokens
+        model = m[M_MODEL] or ""
+        if filter_versions:
+            floor = _version_floor(model, filters, paths)
+            if floor is not None and any(v < floor for v in used):
+                return None
+        for v in used:
+            if policy_paths.get(str(v)) is None:
+                policy_paths[str(v)] = paths.path(model, v) if v else None
         if first_tokens is None:
             first_tokens = t
         prompt_blob = t[T_PROMPT]
         if type(prompt_blob) is not bytes or len(prompt_blob) % 4:
             prompt_blob = _blob(prompt_blob, "id")
-        completion_blob = t[T_COMPLETION]
-        if type(completion_blob) is not bytes or len(completion_blob) % 4:
-            completion_blob = _blob(completion_blob, "id")
         lp_blob = t[T_LOGPROBS]
         if type(lp_blob) is not bytes or len(lp_blob) % 4:
             lp_blob = _blob(lp_blob, "float")
@@ -259,13 +318,15 @@ def _rollout(
                 "prompt_length": len(prompt),
                 "sampling": sampling,
                 "reward": float(m[M_SCORE]) if m[M_VOTED] else None,
+                "policy_versions": spans,
                 "content": m[M_CONTENT],
                 "reasoning_content": m[M_REASONING],
                 "tool_calls": json_loads(m[M_TOOL_CALLS]),
                 "created_at": created.isoformat() if created else None,
             }
         )
-        packed.append(_Packed(prompt_blob, completion_blob, delta, completion, zeroed, ext))
+        versions = token_versions(spans, len(completion))
+        packed.append(_Packed(prompt_blob, completion_blob, delta, completion, zeroed, ext, versions))
         prev_prompt, prev_completion = prompt_blob, completion_blob
     if not turns or first_tokens is None:
         return None
@@ -296,6 +357,7 @@ def _rollout(
         "reward": reward,
         "reward_rule": filters.reward_rule,
         "complete": complete,
+        "policy_paths": policy_paths,
     }
 
 
@@ -313,6 +375,7 @@ def _packed_samples(packed: list[_Packed], turns: list[dict[str, Any]]) -> list[
         token_ids: list[int] = []
         mask: list[int] = []
         lps: list[float] = []
+        versions: list[int] = []
         spans = []
         for i in group:
             p = packed[i]
@@ -326,6 +389,8 @@ def _packed_samples(packed: list[_Packed], turns: list[dict[str, Any]]) -> list[
             mask += [1] * len(p.completion_ids)
             lps += [0.0] * len(p.delta)
             lps += p.logprobs
+            versions += [NO_VERSION] * len(p.delta)
+            versions += p.versions
             spans.append((start, start + len(p.completion_ids)))
-        samples.append(sample_record(token_ids, mask, lps, spans, group, turns))
+        samples.append(sample_record(token_ids, mask, lps, spans, group, turns, versions))
     return samples

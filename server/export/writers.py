@@ -39,10 +39,14 @@ class JsonlWriter:
 class ParquetWriter:
     """One row per record; nested lists and objects become Parquet list and struct columns.
 
-    Free-form objects (sampling parameters, tool schemas, tool calls) are stored as JSON text so that
-    every row group has the same schema."""
+    Free-form objects (sampling parameters, tool schemas, tool calls, the version -> checkpoint map
+    ``policy_paths``, and trainers' free-form, often empty, dicts: Parquet has no struct without fields)
+    are stored as JSON text so that every row group has the same schema."""
 
-    JSON_KEYS = frozenset({"sampling", "tools", "tool_calls", "stop_reason", "extra_fields", "metrics"})
+    JSON_KEYS = frozenset(
+        {"sampling", "tools", "tool_calls", "stop_reason", "extra_fields", "metrics", "policy_paths"}
+        | {"multi_modal_data", "extra_logs", "rollout_metrics"}
+    )
     ROW_GROUP = 1000
 
     def __init__(self, path: Path) -> None:

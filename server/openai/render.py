@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from server.chats.repository import decode_stop_reason
+from server.chats.repository import decode_stop_reason, policy_spans
 from server.errors import ApiError
 from server.models import Message, MessageTokens
 from shared.errors import ErrorCode
@@ -130,6 +130,8 @@ def tokentrail_info(msg: Message, tokens: MessageTokens | None, *, forked: bool)
         "forked": forked or bool(tokens and tokens.fork),
         "worker_id": msg.worker_id,
     }
+    if spans := policy_spans(msg):
+        info["policy_versions"] = spans
     if tokens is not None:
         info["prompt_method"] = tokens.prompt_method
         info["synthetic_token_count"] = tokens.synthetic_token_count

@@ -58,6 +58,8 @@ class WorkerEntry:
     engine_deaths: int = 0  # since the worker started
     engine_restarts: int = 0
     served: int = 0  # replies this connection finished and stored (as of its last heartbeat)
+    policy_version: int = 0  # the weights version it serves (server.weights)
+    weights_error: str = ""  # why it could not load the model's current version (it takes no work then)
 
 
 class WorkQueue(Protocol):

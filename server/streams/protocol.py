@@ -26,6 +26,7 @@ class TokenBatch:
     channels: str = ""  # one shared.protocol CHANNEL_* character per token, when the worker sent them
     top_logprobs: list[list[tuple[int, float, str]]] | None = None
     prompt_ids: list[int] | None = None  # only on the batch at start 0: the prompt generated from
+    policy_version: int = 0  # the weights version that computed these tokens
 
     @property
     def end(self) -> int:
@@ -34,8 +35,11 @@ class TokenBatch:
 
 def concatenated(batches: Sequence[TokenBatch]) -> TokenBatch | None:
     """Consecutive batches as one (the first one's start and prompt), or None when some carry channels
-    or top logprobs and others do not: such per-token fields cannot be concatenated."""
+    or top logprobs and others do not, or they come from different weights versions: such per-token
+    fields cannot be concatenated."""
     if len({bool(b.channels) for b in batches}) > 1 or len({b.top_logprobs is None for b in batches}) > 1:
+        return None
+    if len({b.policy_version for b in batches}) > 1:
         return None
     first = batches[0]
     return TokenBatch(
@@ -46,6 +50,7 @@ def concatenated(batches: Sequence[TokenBatch]) -> TokenBatch | None:
         "".join(b.channels for b in batches),
         [t for b in batches for t in b.top_logprobs or ()] if first.top_logprobs is not None else None,
         first.prompt_ids,
+        first.policy_version,
     )
 
 

@@ -4,7 +4,8 @@ Entry IDs are explicit: a batch covering ``[start, end)`` has ID ``0-<end>``, th
 ``1-0`` sorts after every batch. Batch fields: ``start`` (decimal), ``ids`` (JSON list of ints),
 ``logprobs`` (JSON list; non-finite values as the strings ``"-inf"``/``"inf"``/``"nan"`` because
 JSON has no infinities), ``texts`` (JSON list of strings), and when present ``ch`` (channels),
-``top`` (JSON top logprobs) and ``prompt`` (JSON prompt ids). Terminal fields: ``status`` and, when
+``top`` (JSON top logprobs), ``prompt`` (JSON prompt ids) and ``v`` (the weights version, when not
+0). Terminal fields: ``status`` and, when
 set, ``error`` and ``code``. Appends go through a Lua script, so the length check and the XADD
 are atomic across server processes.
 """
@@ -79,6 +80,8 @@ def _encode_batch(batch: TokenBatch) -> list[EncodableT]:
         fields += ["top", orjson.dumps(top)]
     if batch.prompt_ids is not None:
         fields += ["prompt", orjson.dumps(batch.prompt_ids)]
+    if batch.policy_version:
+        fields += ["v", str(batch.policy_version)]
     return fields
 
 
@@ -103,6 +106,7 @@ def _decode_entry(entry_id: bytes | str, raw: Any) -> StreamEntry:
             else None
         ),
         prompt_ids=orjson.loads(fields["prompt"]) if "prompt" in fields else None,
+        policy_version=int(fields["v"]) if "v" in fields else 0,
     )
 
 

@@ -64,6 +64,10 @@ class WorkerConnection:
     # engine frames read but not yet handled by the flusher: credits read meanwhile wait behind them
     engine_frames_queued: int = 0
     served: int = 0  # replies finished and stored
+    policy_version: int = 0  # the weights version its engine serves (hello, engine frames, loads)
+    # not below the model's current version, nor loading one: it may take work (server.weights)
+    weights_ready: bool = False
+    weights_error: str = ""  # why it could not load the current version
 
     async def send(self, frame: ServerFrame) -> None:
         async with self.send_lock:
@@ -91,6 +95,8 @@ class WorkerConnection:
             engine_deaths=self.engine_deaths,
             engine_restarts=self.engine_restarts,
             served=self.served,
+            policy_version=self.policy_version,
+            weights_error=self.weights_error,
         )
 
     @property

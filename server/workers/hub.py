@@ -38,6 +38,9 @@ from server.outages import is_unavailable, until_available
 from server.queue.protocol import WorkerDirectory, WorkItem, WorkQueue
 from server.settings import ServerSettings
 from server.streams.protocol import StreamConflict, StreamDone, TokenBatch, TokenStreams
+from server.weights.fleet import FleetWeights
+from server.weights.push import WeightsPush
+from server.weights.registry import PolicyRegistry
 from server.workers.connection import (
     CLOSE_BAD_FRAME,
     CLOSE_INVALID_KEY,
@@ -136,6 +139,12 @@ class WorkerHub:
             settings, self.store, queue, directory, streams, self.metrics, self.connections, self.server_id
         )
         self.engines = EngineHealth(settings, self.recovery, directory, metrics, self.connections, self.server_id)
+        self.registry = PolicyRegistry(sessions)
+        self.weights = FleetWeights(settings, self.registry, self.connections, directory, self.recovery, self.server_id)
+        self.rpc.weights = self.weights.relayed
+        self.pushes = WeightsPush(
+            settings, self.registry, self.weights, directory, metrics, self.server_id, lambda: self.rpc.relay
+        )
         self._settling: set[asyncio.Task[None]] = set()  # ends of work waiting for the database
         self._known_keys: dict[str, WorkerKey] = {}  # worker keys seen valid here, for database outages
 
@@ -143,8 +152,10 @@ class WorkerHub:
     def start(self) -> None:
         self.recovery.start()
         self.rpc.start()
+        self.weights.start()
 
     async def stop(self) -> None:
+        await self.weights.stop()
         await self.rpc.stop()
         await self.recovery.stop()
         for task in list(self._settling):  # their messages are requeued by the sweep of a live process
@@ -234,6 +245,7 @@ class WorkerHub:
             )
             frames = FrameQueue()
             async with asyncio.TaskGroup() as tg:
+                tg.create_task(self.weights.on_connect(conn))  # opens its gate, or brings it up to the version
                 recv = tg.create_task(self._receive(conn, frames))
                 flush = tg.create_task(self._flush(conn, frames))
                 disp = tg.create_task(self._dispatch_loop(conn))
@@ -249,6 +261,7 @@ class WorkerHub:
             log.error("worker %s session failed", conn.id, exc_info=eg.exceptions[0])
         finally:
             self.connections.pop(conn.id, None)
+            self.weights.forget(conn)
             for call in conn.calls.values():
                 if not call.done():
                     call.set_exception(RpcUnavailable(f"worker {conn.id} went away"))
@@ -389,6 +402,9 @@ class WorkerHub:
             conn.credits = 0
         elif isinstance(frame, EngineFrame):
             await self.engines.on_frame(conn, frame)
+            if frame.state == "ready":  # a fresh engine: it loaded the version it served, or failed to
+                conn.policy_version = frame.policy_version
+                self.weights.gate(conn)
         elif isinstance(frame, RpcResultFrame):
             call = conn.calls.get(frame.id)
             if call is not None and not call.done():
@@ -491,7 +507,7 @@ class WorkerHub:
         model = conn.hello.model_name
         backoff = 0.0
         while True:
-            if conn.credits <= 0:
+            if conn.credits <= 0 or not conn.weights_ready:  # no credits, or behind its model's weights
                 conn.credit_event.clear()
                 await conn.credit_event.wait()
                 continue
@@ -573,18 +589,23 @@ class WorkerHub:
         ids: list[int] = []
         lps: list[float | None] = []
         texts: list[str] = []
+        spans: list[tuple[int, int]] = []  # the weights version of each token, as [start, version]
         entries = await self.streams.read(message_id, -1, timeout_s=0)
         for e in entries:
             if isinstance(e, TokenBatch):
                 if e.start > len(ids):  # the stream lost its beginning (a Redis restart): start over
                     return None
                 skip = len(ids) - e.start
+                if skip < len(e.token_ids) and (not spans or spans[-1][1] != e.policy_version):
+                    spans.append((len(ids), e.policy_version))
                 ids += e.token_ids[skip:]
                 lps += e.logprobs[skip:]
                 texts += e.texts[skip:]
         if not ids:
             return None
-        return ResumeState(compat_hash=conn.hello.compat_hash, token_ids=ids, logprobs=lps, texts=texts)
+        return ResumeState(
+            compat_hash=conn.hello.compat_hash, token_ids=ids, logprobs=lps, texts=texts, policy_versions=spans
+        )
 
     # ---- frames from the worker --------------------------------------------------------------
     def _current(self, conn: WorkerConnection, message_id: str, attempt: int) -> InFlight | None:

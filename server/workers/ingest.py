@@ -4,6 +4,7 @@ store (a generated NUL becomes U+FFFD). Pure functions: the hub decides what a p
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from typing import Any
@@ -55,7 +56,8 @@ def token_batch(frame: TokensFrame, streamed: int, vocab_size: int | None) -> To
         return problem
     prompt = frame.prompt_ids if frame.start == 0 else None
     texts = [without_nul(t) for t in frame.texts]
-    return TokenBatch(frame.start, frame.token_ids, frame.logprobs, texts, channels, top, prompt)
+    version = frame.policy_version or 0
+    return TokenBatch(frame.start, frame.token_ids, frame.logprobs, texts, channels, top, prompt, version)
 
 
 def record_problem(record: GenerationRecord, streamed: list[int], vocab_size: int | None) -> str | None:
@@ -69,7 +71,21 @@ def record_problem(record: GenerationRecord, streamed: list[int], vocab_size: in
         len(record.logprobs) != len(record.completion_ids) or len(record.text_offsets) != len(record.completion_ids)
     ):
         problem = "the finished record's logprobs or text offsets do not match its tokens"
+    if problem is None:
+        problem = spans_problem(record.policy_versions, len(record.completion_ids))
     return problem
+
+
+def spans_problem(spans: list[tuple[int, int]], tokens: int) -> str | None:
+    """What is wrong with a record's policy version spans (none, from an older worker, is fine)."""
+    if not spans:
+        return None
+    starts = [s for s, _ in spans]
+    if starts[0] != 0 or any(b <= a for a, b in itertools.pairwise(starts)) or starts[-1] >= max(tokens, 1):
+        return "the finished record's policy_versions spans are not increasing starts within its completion"
+    if any(v < 0 for _, v in spans):
+        return "the finished record's policy_versions has a negative version"
+    return None
 
 
 def without_nul(text: str) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from server.queue.protocol import WorkerDirectory
@@ -34,6 +35,8 @@ class WorkerRpc:
         self.directory = directory
         self.server_id = server_id
         self.relay: RedisRpcRelay | None = None  # calls to workers of other server processes
+        # a weights push's calls relayed from another process (server.weights.fleet.FleetWeights.relayed)
+        self.weights: Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]] | None = None
 
     def start(self) -> None:
         if self.relay is not None:
@@ -73,6 +76,8 @@ class WorkerRpc:
         if method == "cancel":
             sent = await self._cancel_local(str(params["worker_id"]), str(params["message_id"]), int(params["attempt"]))
             return {"sent": sent}
+        if method in ("weights_check", "weights_load") and self.weights is not None:
+            return await self.weights(method, {**params, "model": model})
         if method not in ("tokenize", "render_chat", "detokenize"):
             raise RelayError(ErrorCode.bad_request.value, f"unknown method {method!r}")
         try:

@@ -70,6 +70,7 @@ class Work:
             prompt_token_count=len(record.prompt_ids),
             completion_token_count=len(record.completion_ids),
             chain_hash=chain_hash,
+            policy_versions=[list(span) for span in record.policy_versions] or None,
         )
         return Finished(message, MessageTokens(**tokens))
 

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 FinishReason = Literal["stop", "length", "abort"]
+# How a weights update treats running requests: ``drain`` lets them finish on the old weights while new
+# ones wait; ``inflight`` switches between two steps and recomputes their context under the new weights.
+WeightsMode = Literal["drain", "inflight"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class TokenStep:
     stop_reason: int | None = None  # the stop token id that ended generation, if any
     prompt_token_ids: list[int] | None = None  # set on the first step only
     num_cached_tokens: int | None = None  # prompt tokens served from a prefix cache, if known
+    policy_version: int = 0  # the weights version that computed this step's tokens
 
 
 @dataclass
@@ -64,8 +68,28 @@ class EngineDead(EngineError):
         super().__init__("engine_dead", message)
 
 
+class WeightsError(EngineError):
+    """A weights update refused before anything changed (code: ``weights_not_found``,
+    ``weights_not_safetensors`` or ``weights_mismatch``): the engine serves the weights it had."""
+
+
 class Engine(Protocol):
     info: EngineInfo
+
+    @property
+    def policy_version(self) -> int:
+        """The weights version it serves: 0 as started, then each update's."""
+        ...
+
+    async def update_weights(self, path: str, version: int, mode: WeightsMode) -> None:
+        """Load the safetensors checkpoint in directory ``path`` (checked by ``worker.checkpoint``
+        against the model: a ``WeightsError`` changes nothing) in place and serve it as ``version``.
+        ``drain``: running requests finish on the old weights, new ones wait, and their steps all carry
+        the old version; ``inflight``: between two steps, running requests' context is recomputed under
+        the new weights and their later steps carry the new version. Either way no KV computed with the
+        old weights serves the new version (prefix caches are cleared). Returns once ``version``
+        serves."""
+        ...
 
     async def start(self) -> None: ...
 

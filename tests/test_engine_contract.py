@@ -158,6 +158,28 @@ def test_vllm_worker_serves_a_chat(contract_model: Path, tmp_path: Path) -> None
             if parent is not None:
                 assert stored["prior_message_id"] == parent and stored["reused_prefix_len"] > 0
             parent = reply["id"]
+
+        # a push through the route reaches the vLLM worker; a refused one changes nothing
+        from benchmarks.policy_check import TOLERANCE, Scorer, perturbed_checkpoint
+        from server.admin import issue_user_key
+
+        admin = {"Authorization": f"Bearer {issue_user_key(settings, 'vllm-trainer', admin=True)}"}
+        checkpoint = perturbed_checkpoint(contract_model, tmp_path / "v1", seed=1)
+        pickles = tmp_path / "pickles"
+        pickles.mkdir()
+        (pickles / "pytorch_model.bin").write_bytes(b"never unpickled")
+        url = f"{server.url}/admin/models/tiny/weights"
+        refused = httpx.post(url, json={"path": str(pickles), "version": 1}, headers=admin, timeout=120)
+        assert (refused.status_code, refused.json()["code"]) == (422, "weights_not_safetensors")
+        pushed = httpx.post(url, json={"path": str(checkpoint), "version": 1}, headers=admin, timeout=300)
+        assert pushed.status_code == 200, pushed.text
+        _, reply = turn(server.url, headers, chat_id, parent, "third", max_new_tokens=16, seed=3)
+        events(server.url, f"/chats/{chat_id}/messages/{reply['id']}/events", headers)
+        stored = httpx.get(
+            f"{server.url}/chats/{chat_id}/messages/{reply['id']}?include=tokens", headers=headers
+        ).json()
+        assert stored["policy_versions"] == [[0, 1]]
+        assert Scorer({1: checkpoint}).max_delta(stored) < TOLERANCE
     finally:
         worker.terminate()
         try:

@@ -210,3 +210,50 @@ def test_a_new_worker_loads_the_current_version_before_it_works(tmp_path: Path, 
             assert [(w["policy_version"], w["weights_error"]) for w in rows] == [(3, "")]
         finally:
             fresh.stop()
+
+
+class LoadFailsEngine(HFEngine):
+    """Fake at the engine boundary: an hf engine whose weights loads fail after the checks passed (a
+    disk that went away, memory that ran out), to see the fleet route around it."""
+
+    async def update_weights(self, path: str, version: int, mode: Any) -> None:
+        from worker.engines.contract import EngineError
+
+        raise EngineError("weights_load_failed", "fake: the load failed")
+
+
+def test_a_worker_that_cannot_load_takes_no_work(tmp_path: Path, checkpoints: dict[int, Path]) -> None:
+    scorer = Scorer(checkpoints)
+    settings = ServerSettings(data_dir=tmp_path, port=free_port())
+    server = ServerThread(settings).start()
+    fmt = ChatFormat.load(str(checkpoints[0]))
+    good = WorkerThread(
+        server.url, worker_key(settings), MODEL, fmt, lambda: HFEngine(str(checkpoints[0]), max_batch_size=8)
+    )
+    bad = WorkerThread(
+        server.url, worker_key(settings), MODEL, fmt, lambda: LoadFailsEngine(str(checkpoints[0]), max_batch_size=8)
+    )
+    try:
+        good.start()
+        bad.start()
+        url = server.url
+        admin = {"Authorization": f"Bearer {issue_user_key(settings, 'trainer', admin=True)}"}
+        user = {"Authorization": f"Bearer {issue_user_key(settings, 'player')}"}
+        wait_for(lambda: len(httpx.get(f"{url}/admin/workers", headers=admin).json()) == 2, 30, "two workers")
+        resp = _push(url, admin, checkpoints[1], 1)
+        assert (resp.status_code, resp.json()["code"]) == (502, "weights_load_failed"), resp.text
+        assert "fake: the load failed" in resp.json()["detail"]
+        rows = {
+            w["policy_version"]: w["weights_error"] for w in httpx.get(f"{url}/admin/workers", headers=admin).json()
+        }
+        assert rows[1] == "" and "fake: the load failed" in rows[0]
+        # every reply from now on comes from the worker that serves version 1
+        replies = [_reply(url, user, 8) for _ in range(6)]
+        for chat, mid in replies:
+            msg = _message(url, user, chat, mid)
+            assert msg["policy_versions"] == [[0, 1]]
+            assert scorer.max_delta(msg) < TOLERANCE
+    finally:
+        bad.stop()
+        good.stop()
+        server.stop()

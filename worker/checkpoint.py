@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import logging
 import math
 import os
 import struct
 from pathlib import Path
+from typing import Any
 
 from shared.errors import ErrorCode
 from worker.engines.contract import WeightsError
 
-__all__ = ["check_checkpoint", "safetensors_files", "tensor_shapes"]
+__all__ = ["check_checkpoint", "matched_tensors", "safetensors_files", "tensor_shapes"]
+
+log = logging.getLogger(__name__)
 
 _PICKLES = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt")
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own bound on the JSON header
@@ -150,3 +154,45 @@ def check_checkpoint(path: str, base: str) -> dict[str, tuple[int, ...]]:
             f"{path} does not fit the model: {'; '.join(problems[:_SHOWN])}{more}",
         )
     return new
+
+
+def matched_tensors(model: Any, path: str | Path) -> list[tuple[Any, Any]]:
+    """Read checkpoint directory ``path`` with safetensors (never pickle) and pair each tensor with the
+    parameter or persistent buffer of ``model`` (a torch module) it replaces, by name. Tied weights are
+    one tensor under several names, of which a checkpoint saved with ``save_pretrained`` keeps one; names
+    the model does not have are skipped, as ``from_pretrained`` skips them. Raises ``WeightsError``
+    (``weights_load_failed``) naming shape mismatches and parameters left without a value; touches no
+    parameter, so a failure changes nothing."""
+    import torch
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        for file in safetensors_files(path):
+            tensors.update(load_file(str(file), device="cpu"))
+    except WeightsError:
+        raise
+    except Exception as exc:  # a file that passed the header check but cannot be read
+        raise WeightsError(ErrorCode.weights_load_failed, f"cannot read the checkpoint {path}: {exc}") from exc
+    targets = model.state_dict(keep_vars=True)
+    skipped = sorted(tensors.keys() - targets.keys())
+    if skipped:
+        log.info("checkpoint %s: %d tensors the model does not have: %s", path, len(skipped), skipped[:_SHOWN])
+    problems = [
+        f"{name!r} has shape {list(tensor.shape)}, the model's {list(targets[name].shape)}"
+        for name, tensor in sorted(tensors.items())
+        if name in targets and tensor.shape != targets[name].shape
+    ]
+    covered = {id(targets[name]) for name in tensors if name in targets}
+    problems += [
+        f"nothing for parameter {name!r}"
+        for name, target in targets.items()
+        if isinstance(target, torch.nn.Parameter) and id(target) not in covered
+    ]
+    if problems:
+        more = f" (and {len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
+        raise WeightsError(
+            ErrorCode.weights_load_failed,
+            f"{path} cannot be loaded into the model by name: {'; '.join(problems[:_SHOWN])}{more}",
+        )
+    return [(targets[name], tensor) for name, tensor in tensors.items() if name in targets]

@@ -283,34 +283,17 @@ def load_weights(model: Any, directory: str) -> None:
     """Load a checkpoint directory's safetensors into ``model`` by tensor name (every parameter must get
     a value of its shape), as the workers load a pushed version; ValueError when it cannot."""
     import torch
-    from safetensors.torch import load_file
 
-    from worker.checkpoint import safetensors_files
+    from worker.checkpoint import matched_tensors
+    from worker.engines.contract import WeightsError
 
     try:
-        tensors: dict[str, Any] = {}
-        for file in safetensors_files(directory):
-            tensors.update(load_file(str(file), device="cpu"))
-    except Exception as exc:
-        raise ValueError(f"cannot read {directory}: {exc}") from exc
-    targets = model.state_dict(keep_vars=True)
-    problems = [
-        f"{name!r} has shape {list(t.shape)}, the model's {list(targets[name].shape)}"
-        for name, t in sorted(tensors.items())
-        if name in targets and t.shape != targets[name].shape
-    ]
-    covered = {id(targets[name]) for name in tensors if name in targets}
-    problems += [
-        f"nothing for parameter {name!r}"
-        for name, target in targets.items()
-        if isinstance(target, torch.nn.Parameter) and id(target) not in covered
-    ]
-    if problems:
-        raise ValueError(f"{directory} does not fit the model: {'; '.join(problems[:5])}")
+        pairs = matched_tensors(model, directory)
+    except WeightsError as exc:  # a checkpoint that does not fit is named as such; any other as unreadable
+        raise ValueError(str(exc) if exc.code == "weights_load_failed" else f"cannot read {directory}: {exc}") from exc
     with torch.no_grad():
-        for name, t in tensors.items():
-            if name in targets:
-                targets[name].copy_(t)
+        for target, tensor in pairs:
+            target.copy_(tensor)
 
 
 def _rescore(model: Any, version: int, view: SampleView, report: VerifyReport, device: str) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -21,11 +20,11 @@ from server.outages import is_unavailable
 from server.queue.protocol import WorkerDirectory
 from server.settings import ServerSettings
 from server.weights.registry import PolicyRegistry
-from server.workers.connection import WorkerConnection, WorkerGone
+from server.workers.connection import WorkerConnection
 from server.workers.recovery import Recovery
-from server.workers.rpc import RpcFailed, RpcUnavailable
+from server.workers.rpc import RpcFailed, RpcUnavailable, call_worker
 from shared.errors import ErrorCode
-from shared.protocol import FEATURE_WEIGHTS, CancelFrame, RpcFrame
+from shared.protocol import FEATURE_WEIGHTS, CancelFrame, RpcMethod
 
 log = logging.getLogger(__name__)
 
@@ -175,22 +174,11 @@ class FleetWeights:
         return result
 
     async def _call(
-        self, conn: WorkerConnection, method: str, params: dict[str, Any], timeout_s: float
+        self, conn: WorkerConnection, method: RpcMethod, params: dict[str, Any], timeout_s: float
     ) -> dict[str, Any]:
         if FEATURE_WEIGHTS not in conn.hello.features:
             raise RpcFailed(ErrorCode.weights_load_failed.value, "this worker cannot update weights (an older worker)")
-        call_id = secrets.token_hex(8)
-        answer: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        conn.calls[call_id] = answer
-        try:
-            await conn.send(RpcFrame(id=call_id, method=method, params=params))
-            return await asyncio.wait_for(answer, timeout=timeout_s)
-        except TimeoutError as exc:
-            raise RpcUnavailable(f"worker {conn.id} did not answer {method} within {timeout_s:.0f}s") from exc
-        except WorkerGone as exc:
-            raise RpcUnavailable(f"worker {conn.id} went away") from exc
-        finally:
-            conn.calls.pop(call_id, None)
+        return await call_worker(conn, method, params, timeout_s)
 
     async def _hand_back(self, conn: WorkerConnection) -> None:
         """Requeue the work of a worker that cannot serve the current version (stopped on the worker;

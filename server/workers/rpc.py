@@ -29,6 +29,25 @@ class RpcFailed(Exception):
         self.code = code
 
 
+async def call_worker(
+    conn: WorkerConnection, method: RpcMethod, params: dict[str, Any], timeout_s: float
+) -> dict[str, Any]:
+    """One ``rpc`` on one connected worker: its result, ``RpcFailed`` with the code it answered, or
+    ``RpcUnavailable`` if it went away or did not answer within ``timeout_s``."""
+    call_id = secrets.token_hex(8)
+    answer: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+    conn.calls[call_id] = answer
+    try:
+        await conn.send(RpcFrame(id=call_id, method=method, params=params))
+        return await asyncio.wait_for(answer, timeout=timeout_s)
+    except TimeoutError as exc:
+        raise RpcUnavailable(f"worker {conn.id} did not answer {method} within {timeout_s:.0f}s") from exc
+    except WorkerGone as exc:
+        raise RpcUnavailable(f"worker {conn.id} went away") from exc
+    finally:
+        conn.calls.pop(call_id, None)
+
+
 class WorkerRpc:
     def __init__(self, connections: dict[str, WorkerConnection], directory: WorkerDirectory, server_id: str) -> None:
         self.connections = connections  # the hub's: workers connected to this process
@@ -94,18 +113,7 @@ class WorkerRpc:
         if not conns:
             raise RpcUnavailable(f"no worker of {model} that answers tokenizer calls is connected here")
         conn = min(conns, key=lambda c: len(c.inflight) + len(c.calls))
-        call_id = secrets.token_hex(8)
-        answer: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        conn.calls[call_id] = answer
-        try:
-            await conn.send(RpcFrame(id=call_id, method=method, params=params))
-            return await asyncio.wait_for(answer, timeout=timeout_s)
-        except TimeoutError as exc:
-            raise RpcUnavailable(f"worker {conn.id} did not answer within {timeout_s:.0f}s") from exc
-        except WorkerGone as exc:
-            raise RpcUnavailable(f"worker {conn.id} went away") from exc
-        finally:
-            conn.calls.pop(call_id, None)
+        return await call_worker(conn, method, params, timeout_s)
 
     # ---- cancellation ------------------------------------------------------------------------
     async def cancel_on_worker(self, worker_id: str, message_id: str, attempt: int) -> bool:

@@ -7,9 +7,10 @@ consumed so that the caller can check them against what it sent.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 FinishReason = Literal["stop", "length", "abort"]
 # How a weights update treats running requests: ``drain`` lets them finish on the old weights while new
@@ -103,3 +104,19 @@ class Engine(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+async def shielded(tasks: set[asyncio.Task[None]], job: Coroutine[Any, Any, None], name: str) -> None:
+    """Run ``job`` (a weights update) as a task its caller's cancellation does not stop: a swap half done
+    would be worse than one finished late. ``tasks`` holds it while it runs; its error, if nobody waits
+    for it any more, is retrieved rather than reported as never retrieved."""
+    task = asyncio.create_task(job, name=name)
+    tasks.add(task)
+
+    def done(t: asyncio.Task[None]) -> None:
+        tasks.discard(t)
+        if not t.cancelled():
+            t.exception()
+
+    task.add_done_callback(done)
+    await asyncio.shield(task)

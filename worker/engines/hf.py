@@ -51,7 +51,6 @@ from collections.abc import AsyncGenerator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import safetensors.torch as safetensors_torch
 import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
@@ -59,7 +58,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.utils import logging as hf_logging
 
 from shared.errors import ErrorCode
-from worker.checkpoint import check_checkpoint, safetensors_files
+from worker.checkpoint import check_checkpoint, matched_tensors
 from worker.engines.contract import (
     EngineDead,
     EngineError,
@@ -67,6 +66,7 @@ from worker.engines.contract import (
     GenerationParams,
     TokenStep,
     WeightsMode,
+    shielded,
 )
 from worker.sampling import is_greedy, param_error, presence_mask, process_logits, top_logprobs
 
@@ -369,10 +369,7 @@ class HFEngine:
             # From this call on nothing is admitted (new requests wait in the queue) while the checkpoint
             # is checked and read and the running rows finish; a refused checkpoint reopens admission.
             self._drains += 1
-        task = asyncio.create_task(self._update_weights(path, version, mode), name=f"hf-weights-{version}")
-        self._updates.add(task)
-        task.add_done_callback(_forget_update(self._updates))
-        await asyncio.shield(task)
+        await shielded(self._updates, self._update_weights(path, version, mode), f"hf-weights-{version}")
 
     async def _update_weights(self, path: str, version: int, mode: WeightsMode) -> None:
         try:
@@ -397,46 +394,13 @@ class HFEngine:
             raise EngineError(ErrorCode.not_ready, "engine is not running")
 
     def _read_checkpoint(self, path: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Read checkpoint ``path`` (already checked) with safetensors (never pickle) and pair each
-        tensor with the model parameter or buffer it replaces, checking names and shapes first.
-        Runs off the model thread and touches no parameter: a failure here changes nothing."""
+        """Read checkpoint ``path`` (already checked) and pair its tensors with the parameters they
+        replace (``worker.checkpoint.matched_tensors``). Runs off the model thread and touches no
+        parameter: a failure here changes nothing."""
         model = self._model
         if model is None:
             raise EngineError(ErrorCode.not_ready, "engine is not running")
-        tensors: dict[str, torch.Tensor] = {}
-        try:
-            for file in safetensors_files(path):
-                tensors.update(safetensors_torch.load_file(str(file), device="cpu"))
-        except EngineError:
-            raise
-        except Exception as exc:  # a file that passed the header check but cannot be read
-            raise EngineError(ErrorCode.weights_load_failed, f"cannot read the checkpoint {path}: {exc}") from exc
-        # Parameters and persistent buffers by checkpoint name; tied weights appear under each of their
-        # names (one tensor), and a checkpoint saved with save_pretrained names only one of them. Names
-        # the model does not have are skipped, as from_pretrained skipped them in the base checkpoint
-        # (check_checkpoint made the names the base's); every parameter must get a value.
-        targets = model.state_dict(keep_vars=True)
-        skipped = sorted(tensors.keys() - targets.keys())
-        if skipped:
-            log.info("weights update %s: %d tensors the model does not have: %s", path, len(skipped), skipped[:5])
-        problems = [
-            f"{name!r} has shape {list(tensor.shape)}, the model's {list(targets[name].shape)}"
-            for name, tensor in sorted(tensors.items())
-            if name in targets and tensor.shape != targets[name].shape
-        ]
-        covered = {id(targets[name]) for name in tensors if name in targets}
-        problems += [
-            f"nothing for parameter {name!r}"
-            for name, target in targets.items()
-            if isinstance(target, torch.nn.Parameter) and id(target) not in covered
-        ]
-        if problems:
-            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-            raise EngineError(
-                ErrorCode.weights_load_failed,
-                f"{path} cannot be loaded into the model by name: {'; '.join(problems[:5])}{more}",
-            )
-        return [(targets[name], tensor) for name, tensor in tensors.items() if name in targets]
+        return matched_tensors(model, path)
 
     # ---- model thread ----------------------------------------------------------------------------
 
@@ -571,15 +535,6 @@ class HFEngine:
             layer.keys = _cat_left_padded(keys, new_keys, width)
             layer.values = _cat_left_padded(values, new_values, width)
         self._rows.append(row)
-
-
-def _forget_update(tasks: set[asyncio.Task[None]]) -> Callable[[asyncio.Task[None]], None]:
-    def done(task: asyncio.Task[None]) -> None:
-        tasks.discard(task)
-        if not task.cancelled():
-            task.exception()  # retrieved: a caller that went away does not leave it unreported
-
-    return done
 
 
 @contextlib.contextmanager

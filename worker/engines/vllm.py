@@ -81,6 +81,7 @@ from worker.engines.contract import (
     GenerationParams,
     TokenStep,
     WeightsMode,
+    shielded,
 )
 from worker.sampling import param_error
 
@@ -227,10 +228,7 @@ class VLLMEngine:
         if mode == "drain":  # from this call on, new requests wait (a refused checkpoint lets them go)
             self._drains += 1
             self._admitting.clear()
-        task = asyncio.create_task(self._update_weights(path, version, mode), name=f"vllm-weights-{version}")
-        self._updates.add(task)
-        task.add_done_callback(_forget_update(self._updates))
-        await asyncio.shield(task)
+        await shielded(self._updates, self._update_weights(path, version, mode), f"vllm-weights-{version}")
 
     async def _update_weights(self, path: str, version: int, mode: WeightsMode) -> None:
         try:
@@ -440,15 +438,6 @@ class VLLMEngine:
 
 class _NeverRaised(Exception):
     """Stands for vLLM's EngineDeadError until vLLM is imported."""
-
-
-def _forget_update(tasks: set[asyncio.Task[None]]) -> Callable[[asyncio.Task[None]], None]:
-    def done(task: asyncio.Task[None]) -> None:
-        tasks.discard(task)
-        if not task.cancelled():
-            task.exception()  # retrieved: a caller that went away does not leave it unreported
-
-    return done
 
 
 def _checked(path: str, base: str) -> str:

@@ -24,6 +24,7 @@ from server.api.deps import StateDep
 from server.api.openai_chat import router as openai_router
 from server.api.openai_completions import router as completions_router
 from server.api.openai_responses import router as responses_router
+from server.api.rewards import router as rewards_router
 from server.api.tokenizer import router as tokenizer_router
 from server.api.weights import router as weights_router
 from server.auth import TokenSigner
@@ -202,6 +203,7 @@ def create_app(settings: ServerSettings, local_worker: LocalWorker | None = None
     for router in (chats_router, auth_router, configs_router, admin_router, weights_router):
         app.include_router(router, responses=API_ERROR_RESPONSES)
     app.include_router(tokenizer_router, responses=OPENAI_ERROR_RESPONSES)
+    app.include_router(rewards_router, responses=OPENAI_ERROR_RESPONSES)  # once per episode: after the hot routes
     app.include_router(health_router)
 
     web = Path(__file__).parent / "web"

@@ -284,7 +284,7 @@ def export(
     model: Annotated[str | None, typer.Option(help="Only rollouts whose last turn used this model.")] = None,
     user: Annotated[str | None, typer.Option(help="Only this user's chats.")] = None,
     chat: Annotated[str | None, typer.Option(help="Only this chat.")] = None,
-    rated_only: Annotated[bool, typer.Option(help="Only rollouts with at least one vote.")] = False,
+    rated_only: Annotated[bool, typer.Option(help="Only rollouts with at least one reward or vote.")] = False,
     min_score: Annotated[float | None, typer.Option(help="Only rollouts whose reward is at least this.")] = None,
     include_incomplete: Annotated[
         bool, typer.Option(help="Also paths with failed or unfinished assistant turns (those turns are left out).")

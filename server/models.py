@@ -17,6 +17,7 @@ from sqlalchemy import (
     JSON,
     Boolean,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -24,6 +25,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    false,
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -149,6 +151,11 @@ class Message(Base):
     # [[start, version], ...]: the weights version of each completion token (server.weights); None
     # for messages stored before versions were recorded, whose tokens all came from version 0
     policy_versions: Mapped[list[Any] | None] = mapped_column(JSON, default=None)
+    # POST /v1/rewards: the environment's reward for this turn; episode_done: the episode ended here, so
+    # the path root..this message is a finished rollout with that reward
+    reward: Mapped[float | None] = mapped_column(Float, default=None)
+    episode_done: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    rewarded_at: Mapped[datetime | None] = mapped_column(default=None)
 
 
 class MessageTokens(Base):

@@ -134,6 +134,8 @@ class MessageRead(BaseModel):
     session_key: str | None = None  # the client's session hint it was stored under (OpenAI-style routes)
     # finished assistant messages: [start, version] spans, the weights version of each completion token
     policy_versions: list[tuple[int, int]] | None = None
+    reward: float | None = None  # assistant: the environment's reward (POST /v1/rewards)
+    episode_done: bool | None = None  # assistant: the episode ended at this turn
     # only with ?include=tokens
     prompt_token_ids: list[int] | None = None
     completion_token_ids: list[int] | None = None
@@ -371,3 +373,23 @@ class PolicyVersionRead(BaseModel):
     mode: str
     pushed_at: datetime
     pushed_by: str | None = None
+
+
+# ---- rewards from an environment (POST /v1/rewards) -------------------------------------------------
+class RewardRequest(BaseModel):
+    """An environment's reward for an assistant turn. ``done``: the episode ended with this turn, so the
+    path root -> this message is a finished rollout with this reward; else a turn reward."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    message_id: str = Field(min_length=1, max_length=64)
+    reward: float = Field(allow_inf_nan=False)
+    done: bool = False
+
+
+class RewardRead(BaseModel):
+    message_id: str
+    chat_id: str
+    reward: float
+    done: bool
+    rewarded_at: datetime

@@ -36,6 +36,7 @@ class ErrorCode(StrEnum):
     unknown_tool_call = "unknown_tool_call"
     version_not_newer = "version_not_newer"  # a weights push whose version is not above the model's current one
     push_in_progress = "push_in_progress"  # another weights push of the model is running
+    message_not_complete = "message_not_complete"  # a reward for a reply that has not completed
     # 413
     content_too_long = "content_too_long"
     request_too_large = "request_too_large"  # the whole body, checked before it is read
@@ -111,6 +112,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.context_overflow: 422,
     ErrorCode.version_not_newer: 409,
     ErrorCode.push_in_progress: 409,
+    ErrorCode.message_not_complete: 409,
     ErrorCode.weights_not_found: 422,
     ErrorCode.weights_not_safetensors: 422,
     ErrorCode.weights_mismatch: 422,

@@ -52,7 +52,9 @@ class TurnRecord(BaseModel):
     prompt_method: str | None = None  # how the worker built the prompt (worker.prompt_builder)
     prompt_length: int  # len(prompt_ids) of this turn
     sampling: dict[str, Any] = Field(default_factory=dict)  # the SamplingParameters of the turn, with its seed
-    reward: float | None = None  # the turn's vote (-1, 0, 1) when rated
+    # the environment's reward (POST /v1/rewards) when one was posted, else the turn's vote (-1, 0, 1)
+    reward: float | None = None
+    done: bool = False  # the environment ended the episode at this turn
     # [start, version] spans over completion_ids: the weights version of each generated token
     policy_versions: list[tuple[int, int]] | None = None
     # the parsed view, for readers; training uses the token fields

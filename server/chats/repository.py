@@ -71,6 +71,8 @@ def message_to_read(msg: Message, tokens: MessageTokens | None = None) -> Messag
         worker_id=msg.worker_id if msg.role == "assistant" else None,
         session_key=msg.session_key,
         policy_versions=policy_spans(msg) if msg.role == "assistant" else None,
+        reward=msg.reward,
+        episode_done=msg.episode_done if msg.role == "assistant" else None,
     )
     if tokens is not None:
         read.prompt_token_ids = unpack_ids(tokens.prompt_ids)

@@ -86,7 +86,7 @@ async def count_chats(sessions: SessionFactory, filters: ExportFilters) -> int:
 # assistant messages, one row of their token record (the _T* indices).
 M_ID, M_PARENT, M_ROLE, M_STATE, M_CONTENT, M_REASONING, M_TOOL_CALLS = range(7)
 MANUAL = "manual"
-M_MODEL, M_WORK, M_SCORE, M_VOTED, M_CREATED, M_CHAT, M_POLICY = range(7, 14)
+M_MODEL, M_WORK, M_SCORE, M_VOTED, M_CREATED, M_CHAT, M_POLICY, M_REWARD, M_DONE = range(7, 16)
 MSG_COLUMNS: tuple[Any, ...] = (
     Message.id,
     Message.parent_id,
@@ -102,6 +102,8 @@ MSG_COLUMNS: tuple[Any, ...] = (
     type_coerce(Message.created_at, String).label("created_at"),  # as the driver gives it: see Decoders
     Message.chat_id,
     cast(Message.policy_versions, Text).label("policy_versions"),  # JSON text, as tool_calls
+    Message.reward,
+    Message.episode_done,
 )
 T_ID, T_PROMPT, T_COMPLETION, T_LOGPROBS, T_FINISH, T_STOP = range(6)
 T_ENGINE, T_TOKENIZER, T_TEMPLATE, T_REUSED, T_SYNTH, T_FORK, T_METHOD = range(6, 13)

@@ -11,9 +11,10 @@ versions were kept: ``[[0, 0]]``), each sample the version of each generated tok
 registry's checkpoint directory of each version it uses. ``min_version`` and ``max_staleness`` keep
 the rollouts whose every generated token is recent enough (see ``ExportFilters``).
 
-Rewards: OA votes (-1, 0, 1) on assistant messages are per-turn rewards; the rollout reward
-follows ``reward_rule``: ``last`` (default: the last rated turn), ``mean``/``min`` over rated
-turns, or ``leaf`` (the leaf turn's vote). Unrated rollouts have reward None.
+Rewards: a turn's reward is the environment's (``POST /v1/rewards``) when one was posted, else its OA
+vote (-1, 0, 1); the rollout reward follows ``reward_rule``: ``last`` (default: the last rewarded
+turn), ``mean``/``min`` over rewarded turns, or ``leaf`` (the leaf turn's). Rollouts without any have
+reward None.
 
 Speed (an export is CPU-bound in Python; see benchmarks/export.py): JSON columns are fetched as
 text and parsed only for the turns that are exported, timestamps converted only where used; token
@@ -36,11 +37,13 @@ from server.export.query import (
     DECODED,
     M_CONTENT,
     M_CREATED,
+    M_DONE,
     M_ID,
     M_MODEL,
     M_PARENT,
     M_POLICY,
     M_REASONING,
+    M_REWARD,
     M_ROLE,
     M_SCORE,
     M_STATE,
@@ -100,6 +103,8 @@ def chat_rollouts(
             m.created_at,
             chat.id,
             m.policy_versions,
+            m.reward,
+            m.episode_done,
         )
         for m in msgs
     ]
@@ -317,7 +322,9 @@ def _rollout(
                 "prompt_method": t[T_METHOD],
                 "prompt_length": len(prompt),
                 "sampling": sampling,
-                "reward": float(m[M_SCORE]) if m[M_VOTED] else None,
+                # the environment's reward (POST /v1/rewards) when posted, else the turn's vote
+                "reward": float(m[M_REWARD]) if m[M_REWARD] is not None else float(m[M_SCORE]) if m[M_VOTED] else None,
+                "done": bool(m[M_DONE]),
                 "policy_versions": spans,
                 "content": m[M_CONTENT],
                 "reasoning_content": m[M_REASONING],

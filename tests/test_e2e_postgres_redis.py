@@ -253,15 +253,15 @@ def test_a_push_through_one_replica_loads_the_workers_of_the_other(
     """The worker is connected to the first replica; the push goes to the second, which checks and
     loads through the relay. The version is recorded in PostgreSQL, shown by both replicas, and the
     next reply's tokens score under the new weights."""
+    from benchmarks.policy_check import TOLERANCE, Scorer, perturbed_checkpoint
     from server.admin import issue_user_key
-    from tests.test_weights import TOLERANCE, Scorer, make_checkpoint
 
     a, b = cluster
     settings = ServerSettings(database_url=postgres_url, migrate_on_start=False)
     admin = {"Authorization": f"Bearer {issue_user_key(settings, 'pg-trainer', admin=True)}"}
     current = next(m["policy_version"] for m in httpx.get(f"{b}/configs/model_configs").json() if m["name"] == MODEL)
     version = current + 1
-    checkpoint = make_checkpoint(tiny_model_dir, tmp_path / "v", seed=version)
+    checkpoint = perturbed_checkpoint(tiny_model_dir, tmp_path / "v", seed=version)
     body = {"path": str(checkpoint), "version": version, "mode": "drain"}
     resp = httpx.post(f"{b}/admin/models/{MODEL}/weights", json=body, headers=admin, timeout=120)
     assert resp.status_code == 200, resp.text

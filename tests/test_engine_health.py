@@ -58,9 +58,9 @@ def test_a_dead_hf_engine_is_restarted_and_its_requests_named(tiny_model_dir: Pa
 def test_a_restarted_engine_loads_the_weights_its_predecessor_served(tiny_model_dir: Path, tmp_path: Path) -> None:
     """After a push, an engine restarted after a death serves the pushed version, not its model
     directory's weights: the same greedy tokens and logprobs as before the death."""
-    from tests.test_weights import make_checkpoint
+    from benchmarks.policy_check import perturbed_checkpoint
 
-    checkpoint = make_checkpoint(tiny_model_dir, tmp_path / "v5", seed=5)
+    checkpoint = perturbed_checkpoint(tiny_model_dir, tmp_path / "v5", seed=5)
 
     async def scenario() -> None:
         health = SupervisedEngine(lambda: HFEngine(str(tiny_model_dir)), FAST)

@@ -14,6 +14,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
+from benchmarks.policy_check import perturbed_checkpoint
 from server.admin import issue_user_key
 from server.export.rollouts import build_samples
 from server.settings import ServerSettings
@@ -21,7 +22,7 @@ from shared.rollout import Rollout
 from shared.rollout_adapters import SCHEMAS, adapt, to_native_samples
 from tests.test_e2e_embedded import turn
 from tests.test_export import export, run_cli
-from tests.test_weights import _first_token, _message, _push, _reply, make_checkpoint, stack
+from tests.test_weights import _first_token, _message, _push, _reply, stack
 from tokentrail.cli import app
 
 
@@ -30,7 +31,10 @@ def pushed(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> It
     """A two-turn chat whose turns ran on versions 0 and 1; a reply on version 0 only; a long reply
     switched from version 1 to 2 in flight; a reply on version 2."""
     root = tmp_path_factory.mktemp("export-versions")
-    ckpt = {1: make_checkpoint(tiny_model_dir, root / "v1", seed=1), 2: make_checkpoint(tiny_model_dir, root / "v2", 2)}
+    ckpt = {
+        1: perturbed_checkpoint(tiny_model_dir, root / "v1", seed=1),
+        2: perturbed_checkpoint(tiny_model_dir, root / "v2", 2),
+    }
     with stack(root / "data", tiny_model_dir) as (url, settings, _):
         admin = {"Authorization": f"Bearer {issue_user_key(settings, 'trainer', admin=True)}"}
         user = {"Authorization": f"Bearer {issue_user_key(settings, 'player')}"}

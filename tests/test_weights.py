@@ -25,15 +25,11 @@ from tokentrail.launcher import free_port
 from worker.chat_format import ChatFormat
 from worker.engines.hf import HFEngine
 
-# re-exported for other tests: one checkpoint maker and one scorer for the project
-make_checkpoint = perturbed_checkpoint
-__all__ = ["TOLERANCE", "Scorer", "make_checkpoint", "stack"]
-
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> dict[int, Path]:
     root = tmp_path_factory.mktemp("checkpoints")
-    return {0: tiny_model_dir, **{v: make_checkpoint(tiny_model_dir, root / f"v{v}", seed=v) for v in (1, 2, 3)}}
+    return {0: tiny_model_dir, **{v: perturbed_checkpoint(tiny_model_dir, root / f"v{v}", seed=v) for v in (1, 2, 3)}}
 
 
 @contextlib.contextmanager

@@ -19,11 +19,8 @@ async def post_reward(body: RewardRequest, user: CurrentUser, session: SessionDe
     """Store the reward of an assistant message (the ``tokentrail.message_id`` of a chat completion,
     Responses or Messages answer, or an OA message id). The key of the message's owner, or an admin's.
     Posting again replaces the reward; ``done`` once true stays true."""
-    row = (
-        await session.execute(select(Message, Chat.user_id).join(Chat, Chat.id == Message.chat_id).where(
-            Message.id == body.message_id
-        ))
-    ).first()  # fmt: skip
+    owned = select(Message, Chat.user_id).join(Chat, Chat.id == Message.chat_id)
+    row = (await session.execute(owned.where(Message.id == body.message_id))).first()
     if row is None or (row[1] != user.id and not user.is_admin):
         raise ApiError(ErrorCode.message_not_found, f"no message {body.message_id} of yours", param="message_id")
     msg: Message = row[0]

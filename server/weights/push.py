@@ -26,8 +26,10 @@ from shared.errors import ErrorCode
 
 log = logging.getLogger(__name__)
 
-_CHECK_CODES = {ErrorCode.weights_not_found.value, ErrorCode.weights_not_safetensors.value}
-_CHECK_CODES |= {ErrorCode.weights_mismatch.value}
+# what a worker's check of the checkpoint answers for bad input (anything else: it could not be asked)
+_CHECK_CODES = {
+    c.value for c in (ErrorCode.weights_not_found, ErrorCode.weights_not_safetensors, ErrorCode.weights_mismatch)
+}
 
 
 class WeightsPush:

@@ -25,6 +25,7 @@ from server.api.openai_chat import router as openai_router
 from server.api.openai_completions import router as completions_router
 from server.api.openai_responses import router as responses_router
 from server.api.rewards import router as rewards_router
+from server.api.rollout_feed import router as rollout_feed_router
 from server.api.tokenizer import router as tokenizer_router
 from server.api.weights import router as weights_router
 from server.auth import TokenSigner
@@ -204,6 +205,7 @@ def create_app(settings: ServerSettings, local_worker: LocalWorker | None = None
         app.include_router(router, responses=API_ERROR_RESPONSES)
     app.include_router(tokenizer_router, responses=OPENAI_ERROR_RESPONSES)
     app.include_router(rewards_router, responses=OPENAI_ERROR_RESPONSES)  # once per episode: after the hot routes
+    app.include_router(rollout_feed_router, responses=OPENAI_ERROR_RESPONSES)  # long-lived streams, opened rarely
     app.include_router(health_router)
 
     web = Path(__file__).parent / "web"

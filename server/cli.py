@@ -8,7 +8,7 @@ import json
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from pydantic import BaseModel
@@ -273,11 +273,51 @@ def push_weights(
     typer.echo(resp.text)
 
 
+def _follow(
+    out: Path,
+    *,
+    fmt: str,
+    server_url: list[str] | None,
+    api_key: str | None,
+    cursor_file: Path | None,
+    unsupported: dict[str, object],
+    options: dict[str, object],
+    quiet: bool,
+) -> None:
+    """``export --follow``: the rollout feed of a running server, appended to ``out``."""
+    import os
+
+    from tokentrail.feed import FeedError, follow_to_file
+
+    if fmt != "jsonl":
+        raise typer.BadParameter("--follow writes JSONL (it appends as rollouts arrive)")
+    given = [name for name, value in unsupported.items() if value is not None]
+    if given:
+        raise typer.BadParameter(f"{', '.join(given)} cannot be used with --follow (the feed is in finishing order)")
+    urls = server_url or [os.environ.get("TOKENTRAIL_SERVER_URL", "http://127.0.0.1:8000")]
+    key = api_key or os.environ.get("TOKENTRAIL_API_KEY", "")
+    if not key:
+        raise typer.BadParameter("--follow needs --api-key (or TOKENTRAIL_API_KEY)")
+    if cursor_file is None and str(out) != "-":
+        cursor_file = out.with_name(out.name + ".cursor")
+    try:
+        written = follow_to_file(options, urls, key, out, cursor_file, progress=not quiet)
+    except FeedError as exc:
+        typer.echo(f"the server refused the feed: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    if not quiet:
+        typer.echo(f"followed {written} rollouts into {out}", err=True)
+
+
 def export(
     out: Annotated[Path, typer.Option(help="File to write ('-' for standard output, JSONL only).")],
     fmt: Annotated[str, typer.Option("--format", help="jsonl or parquet.")] = "jsonl",
     schema: Annotated[
-        str, typer.Option(help="tokentrail (native), verl, openrlhf, slime, skyrl, prime-rl, nemo-rl or marin.")
+        str,
+        typer.Option(
+            help="tokentrail (native), verl, openrlhf, slime, skyrl, prime-rl, nemo-rl or marin;"
+            " with --pairs: tokentrail or trl."
+        ),
     ] = "tokentrail",
     since: Annotated[datetime | None, typer.Option(help="Only leaves created at or after this time (UTC).")] = None,
     until: Annotated[datetime | None, typer.Option(help="Only leaves created before this time (UTC).")] = None,
@@ -305,11 +345,47 @@ def export(
             " registered version minus K (0: the newest only).",
         ),
     ] = None,
+    follow: Annotated[
+        bool,
+        typer.Option(
+            help="Stream finished episodes from a running server (GET /v1/rollouts) instead of reading the"
+            " database: appends JSONL to --out, saves its position in --cursor-file after each rollout, and"
+            " runs until interrupted; restarted, it resumes after the saved position."
+        ),
+    ] = False,
+    server_url: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="With --follow: the server (repeat it for replicas: the feed moves to the next when one fails)."
+            " Env: TOKENTRAIL_SERVER_URL"
+        ),
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(help="With --follow: your API key (an admin's reads every user's). Env: TOKENTRAIL_API_KEY"),
+    ] = None,
+    cursor_file: Annotated[
+        Path | None, typer.Option(help="With --follow: where the feed position is kept (default: OUT.cursor).")
+    ] = None,
     database_url: DatabaseUrl = None,
     data_dir: DataDir = None,
     quiet: Annotated[bool, typer.Option(help="No progress output.")] = False,
+    pairs: Annotated[
+        bool,
+        typer.Option(
+            "--pairs",
+            help="Export preference pairs of sibling drafts instead (OA draft choices, rewards, votes):"
+            " --schema tokentrail or trl; filters --model, --user, --chat, --since/--until (the later draft),"
+            " --min-version, --max-staleness.",
+        ),
+    ] = False,
 ) -> None:
     """Export stored conversations as RL training rollouts (chats that opted out are never exported).
+
+    --follow instead streams each episode as it finishes (a reward posted with done: true), from a
+    running server, for as long as it runs: at least once per rollout (a consumer killed between
+    writing a rollout and saving its position writes it again on restart; keep the last per
+    rollout_id).
 
     Each turn carries the policy (weights) version of each generated token, each rollout the
     checkpoint directory of each version it uses. --min-version N and --max-staleness K keep the
@@ -322,9 +398,43 @@ def export(
         raise typer.BadParameter("--format must be jsonl or parquet")
     if reward_rule not in ("last", "mean", "min", "leaf"):
         raise typer.BadParameter("--reward-rule must be last, mean, min or leaf")
+    if pairs and follow:  # preference pairs: see _export_pairs
+        raise typer.BadParameter("--pairs reads the database: it cannot be used with --follow")
+    if follow:
+        _follow(
+            out,
+            fmt=fmt,
+            server_url=server_url,
+            api_key=api_key,
+            cursor_file=cursor_file,
+            unsupported={"--since": since, "--until": until, "--chat": chat, "--min-score": min_score},
+            options={
+                "schema": schema,
+                "model": model,
+                "user": user,
+                "rated_only": rated_only,
+                "include_incomplete": include_incomplete,
+                "reward_rule": reward_rule,
+                "min_version": min_version,
+                "max_staleness": max_staleness,
+            },
+            quiet=quiet,
+        )
+        return
+    if server_url or api_key or cursor_file:
+        raise typer.BadParameter("--server-url, --api-key and --cursor-file go with --follow")
     if str(out) == "-" and fmt != "jsonl":
         raise typer.BadParameter("only JSONL can go to standard output")
     settings = _settings(database_url=database_url, data_dir=data_dir)
+    # --- preference pairs (server/export/pairs.py) ---
+    if pairs or schema == "trl":
+        rollout_only = {"--rated-only": rated_only, "--min-score": min_score is not None}
+        rollout_only |= {"--include-incomplete": include_incomplete, "--reward-rule": reward_rule != "last"}
+        filters: dict[str, Any] = {"since": since, "until": until, "model": model, "user": user, "chat": chat}
+        filters |= {"min_version": min_version, "max_staleness": max_staleness}
+        _export_pairs(settings, out, fmt, schema, pairs, [k for k, v in rollout_only.items() if v], quiet, filters)
+        return
+    # --- end preference pairs ---
     try:
         result = _run(
             lambda: run_export(
@@ -346,6 +456,34 @@ def export(
                 progress=not quiet,
             )
         )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    if not quiet:
+        typer.echo(result, err=True)
+
+
+def _export_pairs(
+    settings: ServerSettings,
+    out: Path,
+    fmt: str,
+    schema: str,
+    pairs: bool,
+    rollout_only: list[str],
+    quiet: bool,
+    filters: dict[str, Any],
+) -> None:
+    """``export --pairs``: the options' checks, then the pair export."""
+    from server.export.pairs_run import run_pair_export
+    from shared.pairs import PAIR_SCHEMAS
+
+    if not pairs:
+        raise typer.BadParameter("--schema trl is a preference-pair schema: add --pairs")
+    if schema not in PAIR_SCHEMAS:
+        raise typer.BadParameter(f"--schema {schema} is a rollout schema; with --pairs: {' or '.join(PAIR_SCHEMAS)}")
+    if rollout_only:
+        raise typer.BadParameter(f"{', '.join(rollout_only)}: rollout options, not taken with --pairs")
+    try:
+        result = _run(lambda: run_pair_export(settings, out, fmt=fmt, schema=schema, progress=not quiet, **filters))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     if not quiet:

@@ -15,6 +15,7 @@ from typing import Any, cast
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     DateTime,
     Float,
@@ -156,6 +157,9 @@ class Message(Base):
     reward: Mapped[float | None] = mapped_column(Float, default=None)
     episode_done: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     rewarded_at: Mapped[datetime | None] = mapped_column(default=None)
+    # the rollout feed's position (GET /v1/rollouts): given when the episode first ends here, one above
+    # the highest, under a lock held to commit, so a reader that sees N has seen every position below N
+    feed_seq: Mapped[int | None] = mapped_column(BigInteger, default=None, index=True, unique=True)
 
 
 class MessageTokens(Base):
@@ -245,3 +249,13 @@ MESSAGES = cast(Table, Message.__table__)
 CHATS = cast(Table, Chat.__table__)
 MESSAGE_TOKENS = cast(Table, MessageTokens.__table__)
 IDEMPOTENCY_KEYS = cast(Table, IdempotencyRecord.__table__)
+
+
+class ServerSecret(Base):
+    """Random secrets every replica of a deployment shares because they share its database (e.g. the key
+    that signs rollout-feed cursors); created on first use."""
+
+    __tablename__ = "server_secrets"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(String(128))

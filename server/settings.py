@@ -86,6 +86,9 @@ class ServerSettings(BaseSettings):
     idempotency_ttl_s: float = Field(default=86400.0, gt=0.0)
     """Seconds an ``Idempotency-Key`` and what its request created are kept: a retry with the key within this
     long is answered as the first request was; after it the key is free again."""
+    rollout_feed_poll_s: float = Field(default=0.25, gt=0.0)
+    """How often a rollout-feed stream (``GET /v1/rollouts``) looks for episodes finished on other server
+    processes (those finished on its own wake it at once)."""
     token_stream_expire_s: float = 300.0
     """Seconds a finished message's token stream is kept for resuming readers (then it is served from SQL)."""
     local_drain_timeout_s: float = 30.0

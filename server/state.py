@@ -12,6 +12,7 @@ from server.chats.admission import RateLimiter
 from server.chats.catalog import Catalog
 from server.chats.path_cache import PathCache
 from server.db import SessionFactory
+from server.export.feed import Cursors, FeedSignal
 from server.hot_sql import HotSql
 from server.metrics import Metrics
 from server.queue.protocol import WorkerDirectory, WorkQueue
@@ -42,3 +43,8 @@ class AppState:
     paths: PathCache  # recently used chat paths: turns dispatched without reading them back
     sql: HotSql  # where the per-turn statements run (SQLite: a raw connection)
     auth_cache: dict[str, tuple[float, User]] = field(default_factory=dict)  # token -> (expiry, user)
+    feed: FeedSignal = field(default_factory=FeedSignal)  # wakes rollout-feed readers (GET /v1/rollouts)
+    cursors: Cursors = field(init=False)  # signs and checks their cursors
+
+    def __post_init__(self) -> None:
+        self.cursors = Cursors(self.sessions)

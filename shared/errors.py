@@ -18,6 +18,8 @@ class ErrorCode(StrEnum):
     unsupported_parameter = "unsupported_parameter"  # OpenAI API: a field tokentrail cannot honour
     invalid_messages = "invalid_messages"  # OpenAI API: messages that cannot form a conversation
     invalid_idempotency_key = "invalid_idempotency_key"  # not 1-255 printable ASCII characters
+    invalid_cursor = "invalid_cursor"  # a rollout-feed cursor this deployment did not issue
+    unknown_schema = "unknown_schema"  # an export or feed schema that does not exist
     # 401 / 403
     not_authenticated = "not_authenticated"
     invalid_credentials = "invalid_credentials"
@@ -77,6 +79,8 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.unsupported_parameter: 400,
     ErrorCode.invalid_messages: 400,
     ErrorCode.invalid_idempotency_key: 400,
+    ErrorCode.invalid_cursor: 400,
+    ErrorCode.unknown_schema: 400,
     ErrorCode.idempotency_key_reused: 422,
     ErrorCode.model_not_found: 404,
     ErrorCode.not_found: 404,

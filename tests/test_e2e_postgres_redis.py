@@ -282,3 +282,40 @@ def test_a_push_through_one_replica_loads_the_workers_of_the_other(
     msg = httpx.get(f"{a}/chats/{chat}/messages/{mid}", params={"include": "tokens"}, headers=headers).json()
     assert msg["policy_versions"] == [[0, version]]
     assert Scorer({version: checkpoint}).max_delta(msg) < TOLERANCE
+
+
+def test_the_rollout_feed_misses_nothing_while_both_replicas_end_episodes(cluster: tuple[str, str]) -> None:
+    """Episodes ended concurrently through both replicas while a reader follows the feed from one and then
+    resumes its cursor on the other: every episode arrives, once."""
+    import tokentrail
+
+    a, b = cluster
+    headers = login(a, "pg-feed")
+    key = headers["Authorization"].removeprefix("Bearer ")
+
+    def episode(i: int) -> str:
+        url = (a, b)[i % 2]
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"feed {i}"}], "max_tokens": 3}
+        resp = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+        assert resp.status_code == 200, resp.text
+        mid = resp.json()["tokentrail"]["message_id"]
+        reward = {"message_id": mid, "reward": float(i), "done": True}
+        done = httpx.post(f"{(b, a)[i % 2]}/v1/rewards", json=reward, headers=headers, timeout=30)
+        assert done.status_code == 200, done.text
+        return str(mid)
+
+    got: list[dict[str, Any]] = []
+    feed = tokentrail.rollouts(b, key)
+    reader = threading.Thread(target=lambda: got.extend(next(feed) for _ in range(6)), daemon=True)
+    reader.start()
+    with ThreadPoolExecutor(6) as pool:
+        first = list(pool.map(episode, range(6)))
+    reader.join(timeout=60)
+    assert sorted(r["rollout_id"] for r in got) == sorted(first)
+    cursor = feed.cursor
+    feed.close()
+    with ThreadPoolExecutor(6) as pool:
+        second = list(pool.map(episode, range(6, 12)))
+    rest = list(tokentrail.rollouts(a, key, after=cursor, follow=False))
+    assert sorted(r["rollout_id"] for r in rest) == sorted(second)
+    assert {r["reward"] for r in got + rest} == {float(i) for i in range(12)}

@@ -24,7 +24,8 @@ pytestmark = [pytest.mark.postgres]
 # What the API promises for any input: no 5xx, only documented statuses, content types, headers and
 # bodies (errors included), a correct Allow header, and no access without the key. Left out for now:
 # negative_data_rejection / positive_data_acceptance (tokentrail checks more than the schema says:
-# NUL characters, tool names, sizes) and the stateful resource checks.
+# NUL characters, tool names, sizes) and the stateful resource checks. /v1/rollouts is a stream that stays
+# open by design (tests/test_rollout_feed.py checks its errors).
 CHECKS = ",".join(
     [
         "not_a_server_error",
@@ -58,7 +59,7 @@ def test_schemathesis_finds_no_server_errors_or_undocumented_answers(
     server, key = pg_server
     cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{server.url}/openapi.json",
            "--checks", CHECKS, "--header", f"Authorization: Bearer {key}", "--max-examples", "15",
-           "--seed", "1", "--request-timeout", "30", "--exclude-path-regex", "^/admin/",
+           "--seed", "1", "--request-timeout", "30", "--exclude-path-regex", "^/admin/|^/v1/rollouts$",
            "--suppress-health-check", "all", "--continue-on-failure"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
     report = out.stdout[-12000:] + out.stderr[-3000:]

@@ -146,7 +146,11 @@ def verify(
     ],
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     schema: Annotated[
-        str | None, typer.Option(help="The export's --schema (default: read from native records).")
+        str | None,
+        typer.Option(
+            help="The export's --schema (default: read from native records; preference pairs of either"
+            " schema are recognised by their fields)."
+        ),
     ] = None,
     temperature: Annotated[
         float | None, typer.Option(help="Sampling temperature for schemas that do not record it.")
@@ -160,7 +164,8 @@ def verify(
         ),
     ] = None,
 ) -> None:
-    """Re-score every exported sample by teacher forcing (fp32) and check masks and prefixes.
+    """Re-score every exported sample by teacher forcing (fp32) and check masks and prefixes. Each side
+    of a preference pair (export --pairs) is a sample: the shared prompt, then that side's completion.
 
     Tokens are re-scored under the weights of the policy version that generated them: version 0 is
     --model, version N the checkpoint directory the export names for it or --weights N=DIR (loaded into

@@ -14,6 +14,10 @@ checkpoint cannot be loaded, fails the run and is named. Records without version
 ``--model``. A checkpoint is loaded into ``--model``'s architecture by tensor name, as the workers load
 a push (worker/engines/hf.py). The file is read once for the structure and the versions, then once per
 version, so that each version's weights are loaded once.
+
+Preference pairs (shared/pairs.py, native or TRL rows) are recognised by their fields: each side is a
+sample of the shared prompt + that side's completion, its stored logprobs compared like a turn's, under
+that side's sampling and policy versions.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class VerifyReport:
     problems: list[str] = field(default_factory=list)
     versions: dict[int, int] = field(default_factory=dict)  # policy version -> generated positions
     missing_weights: dict[int, str] = field(default_factory=dict)  # version -> why it was not re-scored
+    pairs: int = 0  # preference pairs read (each side is a sample)
 
     @property
     def ok(self) -> bool:
@@ -74,6 +79,8 @@ class VerifyReport:
             f"versions without weights:    {missing}",
             "PASS" if self.ok else "FAIL",
         ]
+        if self.pairs:
+            lines.insert(1, f"preference pairs:            {self.pairs} (two samples each)")
         problems = list(self.missing_weights.values()) + self.problems
         return "\n".join(lines + [f"  - {p}" for p in problems[:20]])
 
@@ -218,10 +225,47 @@ def adapter_views(record: dict[str, Any], schema: str, temperature: float | None
     return views
 
 
+def pair_views(record: dict[str, Any], temperature: float | None, report: VerifyReport) -> list[SampleView]:
+    """The two sides of a preference pair as samples: the shared prompt (mask 0), then the side's
+    completion (mask 1, its stored logprobs, its policy versions)."""
+    from shared.pairs import pair_sides
+    from shared.rollout import NO_VERSION, token_versions
+
+    sides, problems = pair_sides(record)
+    report.pairs += 1
+    report.mask_mismatches += len(problems)
+    report.problems += problems
+    views = []
+    for side in sides:
+        prompt, completion = side["prompt_ids"], side["completion_ids"]
+        p, n = len(prompt), len(completion)
+        lps = ([0.0 if x is None else float(x) for x in side["logprobs"]] + [0.0] * n)[:n]
+        spans = side["policy_versions"]
+        views.append(
+            SampleView(
+                prompt + completion,
+                [0] * p + [1] * n,
+                [0.0] * p + lps,
+                [TurnView(p, p + n, _params(side["sampling"], temperature))] if n else [],
+                side["where"],
+                None if spans is None else [NO_VERSION] * p + token_versions(spans, n),
+                side["policy_paths"],
+            )
+        )
+    return views
+
+
+PAIR_SCHEMA_NAMES = ("trl", "tokentrail.pair")  # --schema values that mean pair records
+
+
 def _views(path: Path, schema: str | None, temperature: float | None, report: VerifyReport) -> Iterator[SampleView]:
+    from shared.pairs import is_pair_record
+
     for n, record in enumerate(read_records(path)):
         kind = schema or str(record.get("schema", ""))
-        if kind == "tokentrail":
+        if schema in PAIR_SCHEMA_NAMES or (schema in (None, "tokentrail") and is_pair_record(record)):
+            views = pair_views(record, temperature, report)
+        elif kind == "tokentrail":
             views = native_views(record, report)
         elif kind:
             views = adapter_views(record, kind, temperature)

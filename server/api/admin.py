@@ -15,10 +15,12 @@ from server.admin import list_users, list_worker_keys, revoke_api_key, revoke_wo
 from server.api.deps import AdminUser, StateDep
 from server.db import create_engine, create_session_factory, is_sqlite
 from server.errors import ApiError
+from server.export.pairs import iter_pairs
 from server.export.query import ExportFilters
 from server.export.reader import iter_rollouts
 from shared.api import ApiKeyRead, UserRead, WorkerKeyRead, WorkerRead
 from shared.errors import ErrorCode
+from shared.pairs import PAIR_SCHEMAS, adapt_pair
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 
@@ -53,11 +55,17 @@ async def export(
             " registered version minus this.",
         ),
     ] = None,
+    pairs: Annotated[
+        bool,
+        Query(description="Preference pairs of sibling drafts instead (schema tokentrail or trl): export --pairs."),
+    ] = False,
 ) -> StreamingResponse:
     """Rollouts as JSON Lines, streamed (same filters and schemas as ``tokentrail export``)."""
     from shared.rollout_adapters import SCHEMAS, adapt
 
-    if schema not in SCHEMAS:
+    if pairs:  # preference pairs (server/export/pairs.py)
+        _check_pair_request(schema, rated_only or min_score is not None or include_incomplete or reward_rule != "last")
+    elif schema not in SCHEMAS:
         raise ApiError(ErrorCode.bad_request, f"unknown schema {schema!r}; choose from {', '.join(SCHEMAS)}")
     filters = ExportFilters(
         since=_utc(since),
@@ -79,6 +87,10 @@ async def export(
         engine = create_engine(url, inline=False) if is_sqlite(url) else None
         sessions = create_session_factory(engine) if engine is not None else state.sessions
         try:
+            if pairs:
+                async for pair in iter_pairs(sessions, filters):
+                    yield orjson.dumps(adapt_pair(pair, schema)) + b"\n"
+                return
             async for rollout in iter_rollouts(sessions, filters):
                 for record in adapt(rollout, schema):
                     yield orjson.dumps(record) + b"\n"
@@ -87,6 +99,15 @@ async def export(
                 await engine.dispose()
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+def _check_pair_request(schema: str, rollout_filters: bool) -> None:
+    if schema not in PAIR_SCHEMAS:
+        raise ApiError(ErrorCode.bad_request, f"schema {schema!r} with pairs: choose from {', '.join(PAIR_SCHEMAS)}")
+    if rollout_filters:
+        raise ApiError(
+            ErrorCode.bad_request, "rated_only, min_score, include_incomplete and reward_rule are not taken with pairs"
+        )
 
 
 @router.get("/workers")

@@ -150,13 +150,14 @@ def rows_rollouts(
     for m in msgs:
         if m[M_ROLE] != "assistant" or m[M_STATE] == MANUAL or m[M_ID] in below:
             continue
-        rollout = _rollout(chat_id, user_id, _path(by_id, m[M_ID]), tokens, filters, dec, paths)
+        rollout = path_rollout(chat_id, user_id, leaf_path(by_id, m[M_ID]), tokens, filters, dec, paths)
         if rollout is not None:
             out.append(rollout)
     return out
 
 
-def _path(by_id: dict[str, Any], leaf: str) -> list[Any]:
+def leaf_path(by_id: dict[str, Any], leaf: str) -> list[Any]:
+    """The rows root -> ``leaf`` (message rows by id)."""
     path = []
     cur: str | None = leaf
     while cur is not None and cur in by_id:
@@ -236,7 +237,7 @@ def _version_floor(model: str, filters: ExportFilters, paths: PolicyPaths) -> in
     return max(floors) if floors else None
 
 
-def _rollout(
+def path_rollout(
     chat_id: str,
     user_id: str,
     path: list[Any],
@@ -245,6 +246,8 @@ def _rollout(
     dec: Decoders,
     paths: PolicyPaths = NO_PATHS,
 ) -> dict[str, Any] | None:
+    """The rollout of one path (message rows root -> leaf, ``leaf_path``), or None where the filters
+    leave it out or it has no exported turn."""
     leaf = path[-1]
     if not _leaf_passes(leaf, filters, dec):
         return None

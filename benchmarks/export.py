@@ -2,7 +2,7 @@
 
     python benchmarks/export.py [--conversations 10000] [--turns 4] [--backends sqlite,postgres]
                                 [--formats jsonl,parquet] [--repeat 3] [--seed 0] [--keep DIR]
-                                [--postgres ADMIN_URL] [--profile] [--json]
+                                [--postgres ADMIN_URL] [--workers N] [--profile] [--json]
 
 Per backend it creates a fresh database (a SQLite file in a temp dir; a new PostgreSQL database
 ``tt_bench_<random>`` on ``--postgres``, dropped at the end), migrates it with ``server.migrate.upgrade``
@@ -14,12 +14,16 @@ float32 negative logprobs with a rare -inf), regenerations (~10% of chats get a 
 on the last turn: one more leaf), votes on ~25% of assistant messages and ~2% opted-out chats.
 
 The database is filled in three steps (N/4, N/2, N chats) and after each step every format is exported
-through the real path (``server.export.run.run_export``: ``iter_rollouts`` -> ``adapt(.., "tokentrail")``
--> the writers of ``server/export/writers.py``), ``--repeat`` times, each in a fresh subprocess that reports
-wall and CPU time and its peak RSS (``VmHWM``, reset to the current RSS just before the export, so the
-growth is the export's own). The table gives the fastest run (and the median: other work on a shared
-machine makes wall times noisy) and the largest peak. Flat peak memory across N/4, N/2 and N shows
-that the export streams. Insert time is reported apart; ``--profile`` prints cProfile tables.
+through the real path (``server.export.run.run_export``, what ``tokentrail export`` runs: pages of chats
+built and encoded on forked worker processes, ``server/export/parallel.py``, written by the writers of
+``server/export/writers.py``), ``--repeat`` times, each in a fresh subprocess that reports wall and CPU time
+and its peak RSS (``VmHWM``, reset to the current RSS just before the export, so the growth is the
+export's own). The workers report their own CPU time (``RUSAGE_CHILDREN``) and peak RSS growth (each resets
+its ``VmHWM`` when it starts): "total MB" adds the parent's growth and every worker's, an upper bound of
+what the export holds at once. The table gives the fastest run (and the median: other work on a shared
+machine makes wall times noisy) and the largest peaks. Flat peak memory across N/4, N/2 and N shows that
+the export streams. Insert time is reported apart; ``--profile`` prints cProfile tables of the parent
+process (with workers, it mostly waits for them: profile the work itself with ``--workers 1``).
 """
 
 from __future__ import annotations
@@ -366,7 +370,10 @@ def child(spec: dict[str, Any]) -> None:
         profiler = cProfile.Profile()
         profiler.enable()
     t0, c0 = time.perf_counter(), time.process_time()
-    message = asyncio.run(run_export(settings, out, fmt=spec["fmt"], schema="tokentrail", progress=False))
+    workers = spec.get("workers")
+    message = asyncio.run(
+        run_export(settings, out, fmt=spec["fmt"], schema="tokentrail", progress=False, workers=workers)
+    )
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     if profiler is not None:
         import pstats
@@ -375,6 +382,11 @@ def child(spec: dict[str, Any]) -> None:
         pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(35)
         pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(25)
     peak = _status_kb("VmHWM")
+    import resource
+
+    from server.export.parallel import LAST
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
     match = re.match(r"exported (\d+) rollouts", message)
     rollouts = int(match.group(1)) if match else -1
     result = {
@@ -384,13 +396,16 @@ def child(spec: dict[str, Any]) -> None:
         "rss_before_mb": before / 1024,
         "peak_rss_mb": peak / 1024,
         "peak_growth_mb": (peak - before) / 1024 if reset else None,
+        "workers": LAST.workers,
+        "workers_cpu_seconds": children.ru_utime + children.ru_stime,
+        "workers_peak_growth_mb": LAST.peak_growth_mb,
         "file_mb": out.stat().st_size / 2**20,
     }
     print(json.dumps(result))
 
 
-def run_child(url: str, out: Path, fmt: str, profile: bool) -> dict[str, Any]:
-    spec = json.dumps({"url": url, "out": str(out), "fmt": fmt, "profile": profile})
+def run_child(url: str, out: Path, fmt: str, profile: bool, workers: int | None) -> dict[str, Any]:
+    spec = json.dumps({"url": url, "out": str(out), "fmt": fmt, "profile": profile, "workers": workers})
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), "--child", spec],
         capture_output=True,
@@ -419,6 +434,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs per export: report the fastest (and the median)")
     parser.add_argument("--keep", type=Path, help="copy the exported files of the largest step here")
     parser.add_argument("--profile", action="store_true", help="cProfile each export (stderr); slows it down")
+    parser.add_argument("--workers", type=int, help="export worker processes (default: the CLI's, one per core)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -460,7 +476,9 @@ def main() -> None:
                     log(f"{backend}: {inserted} chats stored (insert {insert_s:.1f}s so far)")
                     for fmt in formats:
                         out = tmp / f"export-{step}.{fmt}"
-                        runs = [run_child(db.url, out, fmt, args.profile) for _ in range(max(1, args.repeat))]
+                        runs = [
+                            run_child(db.url, out, fmt, args.profile, args.workers) for _ in range(max(1, args.repeat))
+                        ]
                         res = min(runs, key=lambda r: r["seconds"])
                         res.update(backend=backend, format=fmt, conversations=step, runs=len(runs))
                         res["rollouts_per_s"] = res["rollouts"] / res["seconds"]
@@ -468,11 +486,16 @@ def main() -> None:
                         res["median_rollouts_per_s"] = res["rollouts"] / median
                         res["peak_rss_mb"] = max(r["peak_rss_mb"] for r in runs)  # memory: the worst run
                         growths = [r["peak_growth_mb"] for r in runs]
+                        workers_growth = [sum(r["workers_peak_growth_mb"]) for r in runs]
+                        if None not in growths:
+                            res["total_growth_mb"] = max(g + w for g, w in zip(growths, workers_growth, strict=True))
                         res["peak_growth_mb"] = None if None in growths else max(growths)
+                        res["workers_peak_growth_mb"] = max(workers_growth)
                         report["exports"].append(res)
                         log(
                             f"  {fmt:8} {step:>7} chats  {res['rollouts']:>7} rollouts  {res['seconds']:6.2f}s  "
-                            f"{res['rollouts_per_s']:>8,.0f} rollouts/s  peak {res['peak_rss_mb']:.0f} MB"
+                            f"{res['rollouts_per_s']:>8,.0f} rollouts/s  peak {res['peak_rss_mb']:.0f} MB  "
+                            f"growth {res.get('total_growth_mb', float('nan')):.0f} MB with {res['workers']} workers"
                         )
                         if args.keep and step == n:
                             args.keep.mkdir(parents=True, exist_ok=True)
@@ -497,23 +520,26 @@ def main() -> None:
         f"{report['loadavg_start']:.1f} -> {report['loadavg_end']:.1f} (other work on the machine slows wall times)"
     )
     print(
-        f"each export: fastest of {args.repeat} runs in fresh processes (seconds, rollouts/s, its cpu s), median "
-        "rollouts/s; peak RSS and its growth during the export: the largest of the runs\n"
+        f"each export: fastest of {args.repeat} runs in fresh processes (seconds, rollouts/s, the cpu s of the "
+        "process and of its worker processes), median rollouts/s; peak RSS and its growth during the export "
+        "(the process's, and with its workers'): the largest of the runs\n"
     )
     for backend, ins in report["insert"].items():
         print(f"insert {backend:8}: {ins['chats']} chats in {ins['seconds']:.1f}s ({ins['chats_per_s']:,.0f} chats/s)")
     print()
     header = f"{'backend':9} {'format':8} {'N':>7} {'rollouts':>9} {'seconds':>8} {'rollouts/s':>11} {'median/s':>9} "
-    header += f"{'cpu s':>6} "
-    header += f"{'peak MB':>8} {'growth MB':>10} {'file MB':>8}"
+    header += f"{'cpu s':>6} {'workers':>7} {'their cpu s':>11} "
+    header += f"{'peak MB':>8} {'growth MB':>10} {'total MB':>9} {'file MB':>8}"
     print(header)
     print("-" * len(header))
     for r in report["exports"]:
         growth = "n/a" if r["peak_growth_mb"] is None else f"{r['peak_growth_mb']:.1f}"
+        total = f"{r['total_growth_mb']:.1f}" if "total_growth_mb" in r else "n/a"
         print(
             f"{r['backend']:9} {r['format']:8} {r['conversations']:>7} {r['rollouts']:>9} {r['seconds']:>8.2f} "
             f"{r['rollouts_per_s']:>11,.0f} {r['median_rollouts_per_s']:>9,.0f} {r['cpu_seconds']:>6.2f} "
-            f"{r['peak_rss_mb']:>8.1f} {growth:>10} "
+            f"{r['workers']:>7} {r['workers_cpu_seconds']:>11.2f} "
+            f"{r['peak_rss_mb']:>8.1f} {growth:>10} {total:>9} "
             f"{r['file_mb']:>8.1f}"
         )
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -160,3 +162,78 @@ def test_admin_export_endpoint(embedded_stack: str, embedded_settings: ServerSet
     assert leaves == {stored["regen"], stored["a3"]}
     user = login(embedded_stack, "ex-alice")
     expect(httpx.get(f"{embedded_stack}/admin/export", headers=user), 403, "forbidden")
+
+
+def test_parquet_token_fields_are_typed_lists_that_datasets_loads(
+    embedded_settings: ServerSettings, stored: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Token ids, masks and versions are list<int32> columns and logprobs list<float> (the stored float32
+    values), loaded by ``datasets`` as they are, equal to the JSONL export's."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import datasets
+
+    jsonl = {r["rollout_id"]: r for r in export(embedded_settings, tmp_path / "t.jsonl", "--user", "ex-alice")}
+    out = tmp_path / "t.parquet"
+    run_cli("export", "--out", str(out), "--format", "parquet", "--data-dir", str(embedded_settings.data_dir),
+            "--user", "ex-alice", "--quiet")  # fmt: skip
+    ds = datasets.load_dataset("parquet", data_files=str(out), split="train", cache_dir=str(tmp_path / "hf"))
+    samples, turns = ds.features["samples"].feature, ds.features["turns"].feature
+    for feature, dtype in (
+        (samples["token_ids"], "int32"),
+        (samples["loss_mask"], "int32"),
+        (samples["policy_versions"], "int32"),
+        (samples["logprobs"], "float32"),
+        (turns["completion_ids"], "int32"),
+        (turns["logprobs"], "float32"),
+    ):
+        assert isinstance(feature, datasets.List) and feature.feature.dtype == dtype, feature
+    assert len(ds) == len(jsonl) == 2
+    for row in ds:
+        want = jsonl[row["rollout_id"]]
+        for got_sample, want_sample in zip(row["samples"], want["samples"], strict=True):
+            for key in ("token_ids", "loss_mask", "logprobs", "policy_versions"):
+                assert got_sample[key] == want_sample[key], key  # float32 values: their float64 widening
+        for got_turn, want_turn in zip(row["turns"], want["turns"], strict=True):
+            assert got_turn["completion_ids"] == want_turn["completion_ids"]
+            assert got_turn["logprobs"] == want_turn["logprobs"]  # None where a logprob is not finite
+
+
+_EXPORT_IN_WORKERS = """
+import asyncio, sys
+from pathlib import Path
+from server.export import parallel
+from server.export.run import run_export
+from server.settings import ServerSettings
+
+parallel.CHATS_PER_PAGE = 1  # a page per chat: the pages are dealt out to both workers
+settings = ServerSettings(data_dir=Path(sys.argv[1]), migrate_on_start=False)
+out, fmt, schema, workers = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+message = asyncio.run(run_export(settings, Path(out), fmt=fmt, schema=schema, progress=False, workers=workers))
+print(message, parallel.LAST.workers, file=sys.stderr)
+"""
+
+
+def test_worker_processes_write_what_one_process_writes(
+    embedded_settings: ServerSettings, stored: dict[str, Any], tmp_path: Path
+) -> None:
+    """Pages built on two forked workers (in a fresh process: a fork of this one would copy its server
+    threads) give the same file as one process: JSONL (to a file and to a pipe) and Parquet."""
+    import pyarrow.parquet as pq
+
+    def run(out: str, fmt: str, schema: str, workers: int) -> bytes:
+        args = [str(embedded_settings.data_dir), out, fmt, schema, str(workers)]
+        proc = subprocess.run([sys.executable, "-c", _EXPORT_IN_WORKERS, *args], capture_output=True, check=False)
+        assert proc.returncode == 0, proc.stderr.decode()
+        assert proc.stderr.decode().split()[-1] == ("2" if workers == 2 else "0"), proc.stderr.decode()
+        return proc.stdout
+
+    for fmt, schema in (("jsonl", "tokentrail"), ("parquet", "tokentrail"), ("jsonl", "verl"), ("parquet", "verl")):
+        one, two = tmp_path / f"one.{schema}.{fmt}", tmp_path / f"two.{schema}.{fmt}"
+        run(str(one), fmt, schema, 1)
+        run(str(two), fmt, schema, 2)
+        if fmt == "jsonl":
+            assert one.read_bytes() == two.read_bytes() and len(one.read_text().splitlines()) >= 3
+        else:
+            assert pq.read_table(one).equals(pq.read_table(two)) and pq.read_table(one).num_rows >= 3
+    assert run("-", "jsonl", "tokentrail", 2) == (tmp_path / "one.tokentrail.jsonl").read_bytes()

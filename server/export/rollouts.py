@@ -1,7 +1,7 @@
 """Export stored conversations as RL rollouts (native ``tokentrail`` schema; see shared/rollout.py).
 
-Rollouts are built from rows (``server/export/query.py`` lays them out, ``server/export/reader.py``
-reads them batch by batch, in constant memory) and yielded one by one. One rollout per path that
+Rollouts are built from rows (``server/export/query.py`` lays them out; ``server/export/pages.py`` and
+``server/export/reader.py`` read them page by page, in constant memory). One rollout per path that
 ends in an assistant leaf (an assistant message with no assistant descendant); branches become
 separate rollouts that share their prefix. Chats whose owner opted out of data use are never
 exported.
@@ -17,10 +17,12 @@ turn), ``mean``/``min`` over rewarded turns, or ``leaf`` (the leaf turn's). Roll
 reward None.
 
 Speed (an export is CPU-bound in Python; see benchmarks/export.py): JSON columns are fetched as
-text and parsed only for the turns that are exported, timestamps converted only where used; token
-blobs are decoded with numpy once per turn, prefix checks compare the packed bytes, and a sample's
-lists are built from its turns' lists. The output is the same as decoding every column first (what
-``chat_rollouts`` takes).
+text and parsed only for the turns that are exported, timestamps converted only where used; a turn's
+token blobs become numpy arrays (views, no Python int or float per token) and prefix checks compare the
+packed bytes. ``path_rollout_parts`` stops there: the turns' token fields are arrays and a sample's
+per-position fields are left ``TO_FILL`` from its turns' arrays, which each writer does its own way
+(JSON text, Arrow columns: server/export/writers.py); ``fill_plain`` fills them with lists, the record
+``path_rollout`` gives, the same as decoding every column first (what ``chat_rollouts`` takes).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from datetime import UTC
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -138,6 +140,21 @@ def rows_rollouts(
     dec: Decoders,
     paths: PolicyPaths = NO_PATHS,
 ) -> list[dict[str, Any]]:
+    """The rollouts of one chat from rows: ``msgs`` (``M_*`` layout, in id order) and ``tokens`` (``T_*``
+    layout, by message id, for complete assistant messages)."""
+    return [fill_plain(r) for r in rows_rollout_parts(chat_id, user_id, msgs, tokens, filters, dec, paths)]
+
+
+def rows_rollout_parts(
+    chat_id: str,
+    user_id: str,
+    msgs: Sequence[Any],
+    tokens: dict[str, Any],
+    filters: ExportFilters,
+    dec: Decoders,
+    paths: PolicyPaths = NO_PATHS,
+) -> list[dict[str, Any]]:
+    """``rows_rollouts`` as ``path_rollout_parts`` leaves them: for a writer to finish."""
     by_id = {m[M_ID]: m for m in msgs}
     below: set[str] = set()  # messages with an assistant descendant
     for m in msgs:
@@ -150,7 +167,7 @@ def rows_rollouts(
     for m in msgs:
         if m[M_ROLE] != "assistant" or m[M_STATE] == MANUAL or m[M_ID] in below:
             continue
-        rollout = path_rollout(chat_id, user_id, leaf_path(by_id, m[M_ID]), tokens, filters, dec, paths)
+        rollout = path_rollout_parts(chat_id, user_id, leaf_path(by_id, m[M_ID]), tokens, filters, dec, paths)
         if rollout is not None:
             out.append(rollout)
     return out
@@ -205,36 +222,20 @@ def _blob(value: Any, kind: str) -> bytes:
     return value  # type: ignore[no-any-return]
 
 
-class _Packed(NamedTuple):
-    """One exported turn as its sample needs it."""
-
-    prompt: bytes  # packed int32
-    completion: bytes
-    delta: list[int]  # the turn's prompt_delta_ids
-    completion_ids: list[int]
-    logprobs: list[float]  # the turn's logprobs with 0.0 for None
-    extends_prev: bool  # the prompt extends the previous turn's prompt + completion
-    versions: list[int]  # the policy version of each completion token
-
-
 LEGACY_SPANS = [[0, 0]]  # a message stored before versions were kept: every token from version 0
+_NO_IDS: np.ndarray[Any, Any] = np.zeros(0, _INT32)
+
+# A sample's per-position fields (token_ids, loss_mask, logprobs, policy_versions) before a writer fills
+# them from its turns' arrays (``fill_plain``; the writers of server/export/writers.py fill their own).
+TO_FILL: list[Any] = []
 
 
-def _spans(raw: Any) -> list[list[int]]:
+def _spans(raw: Any, dec: Decoders) -> list[list[int]]:
     """A message's stored ``[start, version]`` spans (None or empty: stored before versions were kept)."""
-    if not raw:
-        return [list(span) for span in LEGACY_SPANS]
-    return [[int(start), int(version)] for start, version in raw]
-
-
-def _version_floor(model: str, filters: ExportFilters, paths: PolicyPaths) -> int | None:
-    """The lowest version a turn of ``model`` may have under the version filters (None: any)."""
-    floors = []
-    if filters.min_version is not None:
-        floors.append(filters.min_version)
-    if filters.max_staleness is not None:
-        floors.append(paths.newest(model) - filters.max_staleness)
-    return max(floors) if floors else None
+    spans = dec.json(raw)
+    if not spans:
+        return [[0, 0]]  # LEGACY_SPANS, a list of its own
+    return [[int(start), int(version)] for start, version in spans]
 
 
 def path_rollout(
@@ -248,6 +249,23 @@ def path_rollout(
 ) -> dict[str, Any] | None:
     """The rollout of one path (message rows root -> leaf, ``leaf_path``), or None where the filters
     leave it out or it has no exported turn."""
+    rollout = path_rollout_parts(chat_id, user_id, path, tokens, filters, dec, paths)
+    return None if rollout is None else fill_plain(rollout)
+
+
+def path_rollout_parts(
+    chat_id: str,
+    user_id: str,
+    path: list[Any],
+    tokens: dict[str, Any],
+    filters: ExportFilters,
+    dec: Decoders,
+    paths: PolicyPaths = NO_PATHS,
+) -> dict[str, Any] | None:
+    """``path_rollout`` but for the token fields: the turns' are numpy arrays (``prompt_delta_ids``,
+    ``completion_ids`` and ``synthetic_closer_ids`` int32, ``logprobs`` float32 with -inf and nan kept),
+    and a sample's per-position fields are ``TO_FILL`` where they are its turns' arrays laid end to end
+    (every sample unless a turn's logprobs do not match its completion)."""
     leaf = path[-1]
     if not _leaf_passes(leaf, filters, dec):
         return None
@@ -256,99 +274,76 @@ def path_rollout(
     complete = all(m[M_ID] in tokens for m in assistants)
     if not complete and not filters.include_incomplete:
         return None
-    turns: list[dict[str, Any]] = []
-    packed: list[_Packed] = []
-    first_tokens = None
-    leaf_work = None
-    prev_prompt = prev_completion = b""
-    json_loads, to_datetime = dec.json, dec.datetime
-    policy_paths: dict[str, str | None] = {}
-    filter_versions = filters.min_version is not None or filters.max_staleness is not None
+    turns = _Turns(leaf, filters, dec, paths)
     for m in assistants:
         t = tokens.get(m[M_ID])
-        if t is None:
-            continue
-        completion_blob = t[T_COMPLETION]
-        if type(completion_blob) is not bytes or len(completion_blob) % 4:
-            completion_blob = _blob(completion_blob, "id")
-        n_completion = len(completion_blob) // 4
-        spans = _spans(json_loads(m[M_POLICY]))
-        used = [v for start, v in spans if start < n_completion]  # the versions of generated tokens
-        model = m[M_MODEL] or ""
-        if filter_versions:
-            floor = _version_floor(model, filters, paths)
-            if floor is not None and any(v < floor for v in used):
-                return None
-        for v in used:
-            if policy_paths.get(str(v)) is None:
-                policy_paths[str(v)] = paths.path(model, v) if v else None
-        if first_tokens is None:
-            first_tokens = t
-        prompt_blob = t[T_PROMPT]
-        if type(prompt_blob) is not bytes or len(prompt_blob) % 4:
-            prompt_blob = _blob(prompt_blob, "id")
-        lp_blob = t[T_LOGPROBS]
-        if type(lp_blob) is not bytes or len(lp_blob) % 4:
-            lp_blob = _blob(lp_blob, "float")
-        # extends(prev_prompt + prev_completion, prompt), on the packed bytes
-        ext = prompt_blob.startswith(prev_prompt) and prompt_blob.startswith(prev_completion, len(prev_prompt))
-        prompt = np.frombuffer(prompt_blob, _INT32)
-        prev_len = (len(prev_prompt) + len(prev_completion)) // 4
-        delta: list[int] = (prompt[prev_len:] if prev_len and ext else prompt).tolist()
-        completion: list[int] = np.frombuffer(completion_blob, _INT32).tolist()
-        lps: list[Any] = np.frombuffer(lp_blob, _FLOAT32).tolist()
-        zeroed = lps
-        if not math.isfinite(sum(lps)):  # a -inf or nan somewhere (or an overflowing sum): check each
-            lps = [None if (math.isnan(x) or math.isinf(x)) else x for x in lps]
-            zeroed = [0.0 if x is None else x for x in lps]
-        work = json_loads(m[M_WORK])
-        if m is leaf:
-            leaf_work = work
-        work = work or {}
-        sampling = dict(work.get("sampling_parameters") or {})
-        sampling["seed"] = work.get("seed")
-        synth = t[T_SYNTH]
-        reused = t[T_REUSED]
-        stop = t[T_STOP]
-        created = to_datetime(m[M_CREATED])
-        turns.append(
-            {
-                "message_id": m[M_ID],
-                "prompt_delta_ids": delta,
-                "completion_ids": completion,
-                "logprobs": lps,
-                "finish_reason": t[T_FINISH],
-                "stop_reason": None if stop is None else decode_stop_reason(stop),
-                "synthetic_closer_ids": prompt[reused : reused + synth].tolist() if synth else [],
-                "reused_prefix_len": reused,
-                "fork": t[T_FORK],
-                "prompt_method": t[T_METHOD],
-                "prompt_length": len(prompt),
-                "sampling": sampling,
-                # the environment's reward (POST /v1/rewards) when posted, else the turn's vote
-                "reward": float(m[M_REWARD]) if m[M_REWARD] is not None else float(m[M_SCORE]) if m[M_VOTED] else None,
-                "done": bool(m[M_DONE]),
-                "policy_versions": spans,
-                "content": m[M_CONTENT],
-                "reasoning_content": m[M_REASONING],
-                "tool_calls": json_loads(m[M_TOOL_CALLS]),
-                "created_at": created.isoformat() if created else None,
-            }
-        )
-        versions = token_versions(spans, len(completion))
-        packed.append(_Packed(prompt_blob, completion_blob, delta, completion, zeroed, ext, versions))
-        prev_prompt, prev_completion = prompt_blob, completion_blob
-    if not turns or first_tokens is None:
+        if t is not None and not turns.add(m, t):
+            return None
+    if not turns.records:
         return None
-    turn_rewards = [t["reward"] for t in turns]
+    turn_rewards = [t["reward"] for t in turns.records]
     if filters.rated_only and all(r is None for r in turn_rewards):
         return None
     reward = _reward(turn_rewards, filters.reward_rule)
     if filters.min_score is not None and (reward is None or reward < filters.min_score):
         return None
-    if leaf_work is None:
-        leaf_work = dec.json(leaf[M_WORK])
-    leaf_work = leaf_work or {}
+    return _rollout_record(chat_id, user_id, turns, reward, complete)
+
+
+class _Turns:
+    """The exported turns of a path, added root to leaf."""
+
+    def __init__(self, leaf: Any, filters: ExportFilters, dec: Decoders, paths: PolicyPaths) -> None:
+        self.leaf, self.filters, self.dec, self.paths = leaf, filters, dec, paths
+        self.versions_filtered = filters.min_version is not None or filters.max_staleness is not None
+        self.records: list[dict[str, Any]] = []
+        self.extends: list[bool] = []  # per turn: its prompt extends the previous turn's prompt + completion
+        self.prompts: list[bytes] = []
+        self.first_tokens: Any = None
+        self.leaf_work: Any = None
+        self.policy_paths: dict[str, str | None] = {}
+        self.prev = (b"", b"")  # the packed prompt and completion of the previous turn
+
+    def add(self, m: Any, t: Any) -> bool:
+        """Adds the turn of message row ``m`` with token row ``t``; False: the version filters leave the
+        rollout out."""
+        spans = _spans(m[M_POLICY], self.dec)
+        prompt, completion = _blob(t[T_PROMPT], "id"), _blob(t[T_COMPLETION], "id")
+        used = [v for start, v in spans if start < len(completion) >> 2]  # the versions of generated tokens
+        model = m[M_MODEL] or ""
+        if self.versions_filtered and not self._recent_enough(used, model):
+            return False
+        for v in used:
+            key = str(v)
+            if self.policy_paths.get(key) is None:
+                self.policy_paths[key] = self.paths.path(model, v) if v else None
+        if self.first_tokens is None:
+            self.first_tokens = t
+        work = self.dec.json(m[M_WORK])
+        if m is self.leaf:
+            self.leaf_work = work
+        prev_prompt, prev_completion = self.prev
+        ext = prompt.startswith(prev_prompt) and prompt.startswith(prev_completion, len(prev_prompt))
+        prev_len = (len(prev_prompt) + len(prev_completion)) >> 2 if ext else 0
+        self.records.append(_turn(m, t, prompt, completion, prev_len, work or {}, spans, self.dec))
+        self.extends.append(ext)
+        self.prompts.append(prompt)
+        self.prev = (prompt, completion)
+        return True
+
+    def _recent_enough(self, used: list[int], model: str) -> bool:
+        """Whether the versions ``used`` by a turn of ``model`` pass the version filters."""
+        filters, floors = self.filters, []
+        if filters.min_version is not None:
+            floors.append(filters.min_version)
+        if filters.max_staleness is not None:
+            floors.append(self.paths.newest(model) - filters.max_staleness)
+        return all(v >= max(floors) for v in used)
+
+
+def _rollout_record(chat_id: str, user_id: str, turns: _Turns, reward: float | None, complete: bool) -> dict[str, Any]:
+    leaf, first_tokens = turns.leaf, turns.first_tokens
+    leaf_work = (turns.leaf_work if turns.leaf_work is not None else turns.dec.json(leaf[M_WORK])) or {}
     return {
         "schema": SCHEMA_NAME,
         "schema_version": SCHEMA_VERSION,
@@ -362,45 +357,126 @@ def path_rollout(
         "engine": first_tokens[T_ENGINE],
         "system_prompt": leaf_work.get("system_prompt"),
         "tools": leaf_work.get("tools"),
-        "turns": turns,
-        "samples": _packed_samples(packed, turns),
+        "turns": turns.records,
+        "samples": _samples(turns.records, turns.extends, turns.prompts),
         "reward": reward,
-        "reward_rule": filters.reward_rule,
+        "reward_rule": turns.filters.reward_rule,
         "complete": complete,
-        "policy_paths": policy_paths,
+        "policy_paths": turns.policy_paths,
     }
 
 
-def _packed_samples(packed: list[_Packed], turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``build_samples`` from the turns' own lists: a sample's tokens are its first turn's prompt, then
+def _turn(
+    m: Any, t: Any, prompt_blob: bytes, completion_blob: bytes, prev_len: int, work: Any, spans: Any, dec: Decoders
+) -> dict[str, Any]:
+    """One exported turn's record; its prompt delta: what follows the previous turn's prompt +
+    completion (``prev_len`` tokens, 0: the prompt does not extend them)."""
+    prompt = np.frombuffer(prompt_blob, _INT32)
+    sampling = dict(work.get("sampling_parameters") or {})
+    sampling["seed"] = work.get("seed")
+    synth, reused, stop, reward = t[T_SYNTH], t[T_REUSED], t[T_STOP], m[M_REWARD]
+    created = dec.datetime(m[M_CREATED])
+    return {
+        "message_id": m[M_ID],
+        "prompt_delta_ids": prompt[prev_len:] if prev_len else prompt,
+        "completion_ids": np.frombuffer(completion_blob, _INT32),
+        "logprobs": np.frombuffer(_blob(t[T_LOGPROBS], "float"), _FLOAT32),
+        "finish_reason": t[T_FINISH],
+        "stop_reason": None if stop is None else decode_stop_reason(stop),
+        "synthetic_closer_ids": prompt[reused : reused + synth] if synth else _NO_IDS,
+        "reused_prefix_len": reused,
+        "fork": bool(t[T_FORK]),
+        "prompt_method": t[T_METHOD],
+        "prompt_length": len(prompt),
+        "sampling": sampling,
+        # the environment's reward (POST /v1/rewards) when posted, else the turn's vote
+        "reward": float(reward) if reward is not None else float(m[M_SCORE]) if m[M_VOTED] else None,
+        "done": bool(m[M_DONE]),
+        "policy_versions": spans,
+        "content": m[M_CONTENT],
+        "reasoning_content": m[M_REASONING],
+        "tool_calls": dec.json(m[M_TOOL_CALLS]),
+        "created_at": created.isoformat() if created else None,
+    }
+
+
+def _samples(turns: list[dict[str, Any]], extends: list[bool], prompts: list[bytes]) -> list[dict[str, Any]]:
+    """``build_samples`` from the turns' own arrays: a sample's tokens are its first turn's prompt, then
     each turn's completion and the next turn's prompt delta (its prompt extends everything before)."""
     groups: list[list[int]] = []
-    for i, p in enumerate(packed):
-        if groups and p.extends_prev:
+    for i, ext in enumerate(extends):
+        if groups and ext:
             groups[-1].append(i)
         else:
             groups.append([i])
     samples = []
     for group in groups:
-        token_ids: list[int] = []
-        mask: list[int] = []
-        lps: list[float] = []
-        versions: list[int] = []
         spans = []
+        end = 0
         for i in group:
-            p = packed[i]
-            start = len(token_ids) + len(p.delta)
-            if start * 4 != len(p.prompt) or len(p.logprobs) != len(p.completion_ids):  # not well-formed
-                seqs = [(np.frombuffer(q.prompt, _INT32).tolist(), q.completion_ids) for q in packed]
-                return build_samples(seqs, turns)
-            token_ids += p.delta
-            token_ids += p.completion_ids
-            mask += [0] * len(p.delta)
-            mask += [1] * len(p.completion_ids)
-            lps += [0.0] * len(p.delta)
-            lps += p.logprobs
-            versions += [NO_VERSION] * len(p.delta)
-            versions += p.versions
-            spans.append((start, start + len(p.completion_ids)))
-        samples.append(sample_record(token_ids, mask, lps, spans, group, turns, versions))
+            turn = turns[i]
+            start = end + len(turn["prompt_delta_ids"])
+            end = start + len(turn["completion_ids"])
+            if start != turn["prompt_length"] or len(turn["logprobs"]) != len(turn["completion_ids"]):
+                return _built_samples(turns, prompts)  # not well-formed
+            spans.append((start, end))
+        samples.append(sample_record(TO_FILL, TO_FILL, TO_FILL, spans, group, turns, TO_FILL))
     return samples
+
+
+def _built_samples(turns: list[dict[str, Any]], prompts: list[bytes]) -> list[dict[str, Any]]:
+    """Turns whose arrays do not line up (a logprob missing): ``build_samples`` on lists."""
+    seqs = [
+        (np.frombuffer(p, _INT32).tolist(), t["completion_ids"].tolist()) for p, t in zip(prompts, turns, strict=True)
+    ]
+    return build_samples(seqs, [t | {"logprobs": _nullable(t["logprobs"])} for t in turns])
+
+
+def _nullable(logprobs: np.ndarray[Any, Any]) -> list[float | None]:
+    """Logprobs as a list of floats, None for a non-finite one (JSON has no -inf)."""
+    return _logprob_lists(logprobs)[0]
+
+
+def _logprob_lists(logprobs: np.ndarray[Any, Any]) -> tuple[list[Any], list[float]]:
+    """A turn's logprobs as a list (None for a non-finite one), and as a sample takes them (0.0)."""
+    lps: list[Any] = logprobs.tolist()
+    if math.isfinite(sum(lps)):
+        return lps, lps
+    # a -inf or nan somewhere (or an overflowing sum): check each
+    return [x if math.isfinite(x) else None for x in lps], [x if math.isfinite(x) else 0.0 for x in lps]
+
+
+def fill_plain(rollout: dict[str, Any]) -> dict[str, Any]:
+    """A rollout of ``path_rollout_parts`` with lists for its arrays, its samples filled (in place): the
+    record ``path_rollout`` gives, Python ints and floats, None for a non-finite turn logprob."""
+    turns = rollout["turns"]
+    zeroed = []  # per turn, its logprobs with 0.0 for a non-finite one
+    for turn in turns:
+        turn["prompt_delta_ids"] = turn["prompt_delta_ids"].tolist()
+        turn["completion_ids"] = turn["completion_ids"].tolist()
+        turn["synthetic_closer_ids"] = turn["synthetic_closer_ids"].tolist()
+        turn["logprobs"], lps = _logprob_lists(turn["logprobs"])
+        zeroed.append(lps)
+    for sample in rollout["samples"]:
+        if sample["token_ids"] is TO_FILL:
+            _fill_lists(sample, turns, zeroed)
+    return rollout
+
+
+def _fill_lists(sample: dict[str, Any], turns: list[dict[str, Any]], zeroed: list[list[float]]) -> None:
+    token_ids: list[int] = []
+    mask: list[int] = []
+    lps: list[float] = []
+    versions: list[int] = []
+    for i in sample["turn_indices"]:
+        turn = turns[i]
+        delta, completion = turn["prompt_delta_ids"], turn["completion_ids"]
+        token_ids += delta
+        token_ids += completion
+        mask += [0] * len(delta)
+        mask += [1] * len(completion)
+        lps += [0.0] * len(delta)
+        lps += zeroed[i]
+        versions += [NO_VERSION] * len(delta)
+        versions += token_versions(turn["policy_versions"], len(completion))
+    sample.update(token_ids=token_ids, loss_mask=mask, logprobs=lps, policy_versions=versions)

@@ -1,4 +1,8 @@
-"""``tokentrail export``: filters -> rollouts -> trainer schema -> file, with progress on stderr."""
+"""``tokentrail export``: filters -> rollouts -> trainer schema -> file, with progress on stderr.
+
+The database is read page by page (``server/export/pages.py``) on the driver's own connections, the
+pages encoded on worker processes where there are cores for them (``server/export/parallel.py``) and
+written in order (``server/export/writers.py``)."""
 
 from __future__ import annotations
 
@@ -9,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from server.admin import open_database
-from server.export.query import ExportFilters, count_chats
-from server.export.reader import iter_rollouts
-from server.export.writers import JsonlWriter, RecordWriter, open_writer
+from server.export.pages import page_queries
+from server.export.parallel import Job, default_workers, export_pages
+from server.export.query import ExportFilters, count_chats, read_policy_paths
+from server.export.writers import page_writer
 from server.settings import ServerSettings
 
 
@@ -50,32 +55,33 @@ async def run_export(
     fmt: str,
     schema: str,
     progress: bool = True,
+    workers: int | None = None,
     **filter_args: Any,
 ) -> str:
-    from shared.rollout_adapters import SCHEMAS, adapt
+    """``workers``: processes that build the rollouts (None: one per core; 1: this process only)."""
+    from shared.rollout_adapters import SCHEMAS
 
     if schema not in SCHEMAS:
         raise ValueError(f"unknown schema {schema!r}; choose from {', '.join(SCHEMAS)}")
     filter_args["since"], filter_args["until"] = _utc(filter_args.get("since")), _utc(filter_args.get("until"))
     filters = ExportFilters(**filter_args)
+    show = progress and str(out) != "-"
     engine, sessions = await open_database(settings)
-    writer: RecordWriter = JsonlWriter(sys.stdout.buffer) if str(out) == "-" else open_writer(out, fmt)
-    rollouts = records = chats = 0
-    last_chat = None
     try:
-        bar = Progress(await count_chats(sessions, filters), progress and str(out) != "-")
-        async for rollout in iter_rollouts(sessions, filters):
-            if rollout["chat_id"] != last_chat:
-                chats, last_chat = chats + 1, rollout["chat_id"]
-            for record in adapt(rollout, schema):
-                writer.write(record)
-                records += 1
-            rollouts += 1
+        total = await count_chats(sessions, filters) if show else 0
+        job_args = (page_queries(engine, filters), filters, await read_policy_paths(sessions))
+    finally:
+        await engine.dispose()  # the pages are read on connections of their own
+    encoder, writer = page_writer(out, fmt, schema)
+    rollouts = records = chats = 0
+    bar = Progress(total, show)
+    try:
+        async for page in export_pages(Job(*job_args, encoder), writer, workers or default_workers()):
+            chats, rollouts, records = chats + page.chats, rollouts + page.rollouts, records + page.records
             bar.update(chats, rollouts)
         bar.update(bar.total, rollouts, force=True)
         bar.done()
     finally:
         writer.close()
-        await engine.dispose()
     elapsed = time.monotonic() - bar.start
     return f"exported {rollouts} rollouts ({records} {schema} records) to {out} in {elapsed:.1f}s"

@@ -2,19 +2,46 @@
 
 Both stream: memory holds at most one row group. Non-finite floats never reach a file: the
 exporter writes None (JSON null) for a -inf logprob.
+
+An export of rollouts (``server/export/run.py``) encodes a page of rollouts at a time (``Encoder``s:
+on worker processes, see ``server/export/parallel.py``) and hands the bytes to a ``PageWriter``:
+JSON lines (``LinesEncoder``: native rollouts by ``server/export/jsonl.py``), or for Parquet an Arrow
+batch of native rollouts (``ArrowEncoder``: ``server/export/columnar.py``; ``RolloutParquetWriter``) or
+the records of a trainer schema (``RecordsEncoder``, ``ParquetWriter``).
 """
 
 from __future__ import annotations
 
+import os
+import pickle
+import stat
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any, BinaryIO, Protocol
 
 import orjson
 
+from server.export.jsonl import rollout_line
+from server.export.rollouts import fill_plain
+from shared.rollout import SCHEMA_NAME
+
 
 class RecordWriter(Protocol):
     def write(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class PageWriter(Protocol):
+    def write_page(self, payload: list[Any]) -> None:
+        """A page of records as its ``Encoder`` encoded them (bytes-like chunks, to be concatenated)."""
+        ...
+
+    def splice_target(self) -> int | None:
+        """A file descriptor that takes the pages' bytes as they are (JSON lines to a file), else None."""
+        ...
 
     def close(self) -> None: ...
 
@@ -28,6 +55,18 @@ class JsonlWriter:
 
     def write(self, record: dict[str, Any]) -> None:
         self._fh.write(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE))
+
+    def write_page(self, payload: list[Any]) -> None:
+        """JSON lines (``LinesEncoder``)."""
+        self._fh.writelines(payload)
+
+    def splice_target(self) -> int | None:
+        self._fh.flush()
+        try:
+            fd = self._fh.fileno()
+            return fd if stat.S_ISREG(os.fstat(fd).st_mode) or stat.S_ISFIFO(os.fstat(fd).st_mode) else None
+        except (AttributeError, OSError, ValueError):  # not a file (a test's buffer)
+            return None
 
     def close(self) -> None:
         if self._own:
@@ -59,6 +98,14 @@ class ParquetWriter:
         self._rows.append(_jsonify(record, self.JSON_KEYS))
         if len(self._rows) >= self.ROW_GROUP:
             self._flush()
+
+    def write_page(self, payload: list[Any]) -> None:
+        """Records pickled by ``RecordsEncoder``."""
+        for record in pickle.loads(b"".join(payload)):
+            self.write(record)
+
+    def splice_target(self) -> int | None:
+        return None
 
     def _flush(self) -> None:
         if not self._rows:
@@ -134,6 +181,124 @@ def _jsonify(value: Any, keys: frozenset[str]) -> Any:
 
 
 _CONTAINERS = (dict, list)
+
+
+class LinesEncoder:
+    """Rollouts as JSON lines: native ones by ``rollout_line``, others as the records of their trainer
+    schema (``adapt``)."""
+
+    def __init__(self, schema: str) -> None:
+        self.schema = schema
+        self.lines: list[bytes] = []
+
+    def add(self, rollout: dict[str, Any]) -> int:
+        if self.schema == SCHEMA_NAME:
+            self.lines.append(rollout_line(rollout))
+            return 1
+        from shared.rollout_adapters import adapt
+
+        records = adapt(fill_plain(rollout), self.schema)
+        self.lines += [orjson.dumps(r, option=orjson.OPT_APPEND_NEWLINE) for r in records]
+        return len(records)
+
+    def payload(self) -> list[Any]:
+        return self.lines
+
+
+class RecordsEncoder:
+    """The records of a trainer schema, pickled for ``ParquetWriter.write_page``."""
+
+    def __init__(self, schema: str) -> None:
+        self.schema = schema
+        self.records: list[dict[str, Any]] = []
+
+    def add(self, rollout: dict[str, Any]) -> int:
+        from shared.rollout_adapters import adapt
+
+        records = adapt(fill_plain(rollout), self.schema)
+        self.records += records
+        return len(records)
+
+    def payload(self) -> list[Any]:
+        return [pickle.dumps(self.records, protocol=pickle.HIGHEST_PROTOCOL)]
+
+
+class ArrowEncoder:
+    """Native rollouts as an Arrow record batch (``server/export/columnar.py``), as one IPC message."""
+
+    def __init__(self) -> None:
+        from server.export.columnar import RolloutColumns
+
+        self.columns = RolloutColumns()
+
+    def add(self, rollout: dict[str, Any]) -> int:
+        self.columns.add(rollout)
+        return 1
+
+    def payload(self) -> list[Any]:
+        """The rollouts added (the encoder starts again empty)."""
+        from server.export.columnar import RolloutColumns
+
+        message = self.columns.batch().serialize()  # an Arrow buffer: bytes-like
+        self.columns = RolloutColumns()
+        _release_arrow_memory()
+        return [message]
+
+
+class RolloutParquetWriter:
+    """Native rollouts' Arrow batches (``ArrowEncoder``) as Parquet, a row group per page.
+
+    Plain encoding: dictionaries of token ids and logprobs only cost time (zstd does better).
+    Statistics (min and max) only for the scalar columns: a token list's cost a third of the writing
+    and no reader skips row groups by token ids."""
+
+    def __init__(self, path: Path) -> None:
+        import pyarrow.parquet as pq
+
+        from server.export.columnar import ROLLOUT_SCHEMA
+
+        scalars = [f.name for f in ROLLOUT_SCHEMA if f.name not in ("turns", "samples")]
+        self._writer = pq.ParquetWriter(
+            path, ROLLOUT_SCHEMA, compression="zstd", use_dictionary=False, write_statistics=scalars
+        )
+
+    def write_page(self, payload: list[Any]) -> None:
+        import pyarrow as pa
+
+        from server.export.columnar import ROLLOUT_SCHEMA
+
+        data = payload[0] if len(payload) == 1 else b"".join(payload)
+        batch = pa.ipc.read_record_batch(pa.py_buffer(data), ROLLOUT_SCHEMA)
+        if batch.num_rows:
+            self._writer.write_batch(batch)
+        del batch
+        _release_arrow_memory()
+
+    def splice_target(self) -> int | None:
+        return None
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def _release_arrow_memory() -> None:
+    """Hands the memory Arrow freed back to the system: its allocator keeps it otherwise, tens of
+    megabytes per process (measured with benchmarks/export.py) that the export no longer uses."""
+    import pyarrow as pa
+
+    pa.default_memory_pool().release_unused()
+
+
+def page_writer(out: Path, fmt: str, schema: str) -> tuple[Callable[[], Any], PageWriter]:
+    """The ``Encoder`` (a factory of them) and ``PageWriter`` of an export to ``out`` ('-': stdout)."""
+    if str(out) == "-" or fmt == "jsonl":
+        writer: PageWriter = JsonlWriter(sys.stdout.buffer) if str(out) == "-" else JsonlWriter(out)
+        return (lambda: LinesEncoder(schema)), writer
+    if fmt != "parquet":
+        raise ValueError(f"unknown format {fmt!r}: jsonl or parquet")
+    if schema == SCHEMA_NAME:
+        return ArrowEncoder, RolloutParquetWriter(out)
+    return (lambda: RecordsEncoder(schema)), ParquetWriter(out)
 
 
 def open_writer(path: Path, fmt: str) -> RecordWriter:

@@ -1,0 +1,235 @@
+"""Native rollouts (``path_rollout_parts``) as Arrow columns, for the Parquet writer.
+
+A page of rollouts becomes one record batch: each token field is one flat numpy array (the turns'
+arrays joined) with list offsets, never a Python object per token. The schema is the one
+``pa.Table.from_pylist`` infers from the records (field names, order and nesting), the free-form
+objects stored as JSON text like ``ParquetWriter`` does, with narrower token lists: ids, masks and
+versions ``list<int32>`` (the stored ids are int32) and logprobs ``list<float>`` (the stored float32
+values; a turn's non-finite logprob is null, as in JSON).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import orjson
+import pyarrow as pa
+
+from server.export.arrays import column, lists, primitive
+from server.export.rollouts import TO_FILL
+from shared.rollout import NO_VERSION, token_versions
+
+_IDS = pa.list_(pa.int32())
+_LOGPROBS = pa.list_(pa.float32())
+_SPANS = pa.list_(pa.list_(pa.int64()))
+_JSON = pa.string()  # free-form objects as JSON text (ParquetWriter.JSON_KEYS)
+
+TURN_TYPE = pa.struct(
+    [
+        ("message_id", pa.string()),
+        ("prompt_delta_ids", _IDS),
+        ("completion_ids", _IDS),
+        ("logprobs", _LOGPROBS),
+        ("finish_reason", pa.string()),
+        ("stop_reason", _JSON),
+        ("synthetic_closer_ids", _IDS),
+        ("reused_prefix_len", pa.int64()),
+        ("fork", pa.bool_()),
+        ("prompt_method", pa.string()),
+        ("prompt_length", pa.int64()),
+        ("sampling", _JSON),
+        ("reward", pa.float64()),
+        ("done", pa.bool_()),
+        ("policy_versions", _SPANS),
+        ("content", pa.string()),
+        ("reasoning_content", pa.string()),
+        ("tool_calls", _JSON),
+        ("created_at", pa.string()),
+    ]
+)
+SAMPLE_TYPE = pa.struct(
+    [
+        ("token_ids", _IDS),
+        ("loss_mask", _IDS),
+        ("logprobs", _LOGPROBS),
+        ("prompt_length", pa.int64()),
+        ("turn_spans", _SPANS),
+        ("turn_indices", pa.list_(pa.int64())),
+        ("temperatures", pa.list_(pa.float64())),
+        ("policy_versions", _IDS),
+    ]
+)
+ROLLOUT_SCHEMA = pa.schema(
+    [
+        ("schema", pa.string()),
+        ("schema_version", pa.int64()),
+        ("rollout_id", pa.string()),
+        ("chat_id", pa.string()),
+        ("leaf_message_id", pa.string()),
+        ("user_id", pa.string()),
+        ("model_name", pa.string()),
+        ("tokenizer_hash", pa.string()),
+        ("template_hash", pa.string()),
+        ("engine", pa.string()),
+        ("system_prompt", pa.string()),
+        ("tools", _JSON),
+        ("turns", pa.list_(TURN_TYPE)),
+        ("samples", pa.list_(SAMPLE_TYPE)),
+        ("reward", pa.float64()),
+        ("reward_rule", pa.string()),
+        ("complete", pa.bool_()),
+        ("policy_paths", _JSON),
+    ]
+)
+_JSON_FIELDS = frozenset({"tools", "policy_paths", "stop_reason", "sampling", "tool_calls"})
+_ARRAY_FIELDS = frozenset({"turns", "samples"} | {"prompt_delta_ids", "completion_ids", "logprobs"})
+_ARRAY_FIELDS |= {"synthetic_closer_ids", "policy_versions", "token_ids", "loss_mask", "turn_spans"}
+
+
+def _scalars(struct: Any, skip: frozenset[str] = _ARRAY_FIELDS) -> tuple[list[str], list[str]]:
+    """A struct's plain fields and its JSON-text fields, by name, in schema order."""
+    plain = [f.name for f in struct if f.name not in skip and f.name not in _JSON_FIELDS]
+    return plain, [f.name for f in struct if f.name in _JSON_FIELDS]
+
+
+_ROLLOUT_PLAIN, _ROLLOUT_JSON = _scalars(ROLLOUT_SCHEMA)
+_TURN_ARRAYS = ("prompt_delta_ids", "completion_ids", "logprobs", "synthetic_closer_ids")
+_SAMPLE_ARRAYS = ("token_ids", "loss_mask", "logprobs", "policy_versions")
+_TURN_PLAIN, _TURN_JSON = _scalars(TURN_TYPE)
+_SAMPLE_PLAIN, _ = _scalars(SAMPLE_TYPE)
+
+
+class RolloutColumns:
+    """Gathers rollouts (``add``, each as soon as it is built) into a record batch (``batch``): per
+    column a list of values, or of numpy arrays joined at the end, with each row's length."""
+
+    def __init__(self) -> None:
+        # the values of each level's fields: rollouts', turns' and samples' (some names are on two levels)
+        self.values: dict[str, list[Any]] = {name: [] for name in (*_ROLLOUT_PLAIN, *_ROLLOUT_JSON)}
+        self.turn_values: dict[str, list[Any]] = {name: [] for name in (*_TURN_PLAIN, *_TURN_JSON)}
+        self.sample_values: dict[str, list[Any]] = {name: [] for name in (*_SAMPLE_PLAIN, "turn_spans")}
+        # a list column's arrays (joined at the end) and each row's length
+        self.turn_arrays: dict[str, list[Any]] = {name: [] for name in _TURN_ARRAYS}
+        self.lengths: dict[str, list[int]] = {name: [] for name in (*_TURN_ARRAYS, "turns", "samples")}
+        self.sample_lengths: dict[str, list[int]] = {name: [] for name in _SAMPLE_ARRAYS}
+        self.turn_spans: list[list[list[int]]] = []
+        self.sample_ids: list[Any] = []  # a sample's ids: its turns' prompt deltas and completions
+        self.sample_logprobs: list[Any] = []
+        self.mask_runs: tuple[list[int], list[int]] = ([], [])  # (value, count) runs
+        self.version_runs: tuple[list[int], list[int]] = ([], [])
+
+    def add(self, rollout: dict[str, Any]) -> None:
+        values = self.values
+        for name in _ROLLOUT_PLAIN:
+            values[name].append(rollout[name])
+        for name in _ROLLOUT_JSON:
+            values[name].append(orjson.dumps(rollout[name]))  # the UTF-8 of the JSON text
+        turns, samples = rollout["turns"], rollout["samples"]
+        self.lengths["turns"].append(len(turns))
+        self.lengths["samples"].append(len(samples))
+        for turn in turns:
+            self._add_turn(turn)
+        for sample in samples:
+            self._add_sample(turns, sample)
+
+    def _add_turn(self, turn: dict[str, Any]) -> None:
+        values = self.turn_values
+        for name in _TURN_PLAIN:
+            values[name].append(turn[name])
+        for name in _TURN_JSON:
+            values[name].append(orjson.dumps(turn[name]))
+        for name, parts in self.turn_arrays.items():
+            parts.append(turn[name])
+            self.lengths[name].append(len(turn[name]))
+        self.turn_spans.append(turn["policy_versions"])
+
+    def _add_sample(self, turns: list[dict[str, Any]], sample: dict[str, Any]) -> None:
+        for name in (*_SAMPLE_PLAIN, "turn_spans"):
+            self.sample_values[name].append(sample[name])
+        if sample["token_ids"] is not TO_FILL:  # built by build_samples: lists
+            self._add_listed_sample(sample)
+            return
+        (mask_values, mask_counts), (version_values, version_counts) = self.mask_runs, self.version_runs
+        for i in sample["turn_indices"]:
+            turn = turns[i]
+            delta, completion = turn["prompt_delta_ids"], turn["completion_ids"]
+            self.sample_ids += (delta, completion)
+            self.sample_logprobs += (_zeros(len(delta)), turn["logprobs"])
+            mask_values += (0, 1)
+            mask_counts += (len(delta), len(completion))
+            version_values.append(NO_VERSION)
+            version_counts.append(len(delta))
+            _version_runs(turn["policy_versions"], len(completion), version_values, version_counts)
+        n = sample["turn_spans"][-1][1]  # the sample's length: the end of its last completion
+        for lengths in self.sample_lengths.values():
+            lengths.append(n)
+
+    def _add_listed_sample(self, sample: dict[str, Any]) -> None:
+        """A sample ``build_samples`` made (its lists may differ in length where a logprob is missing)."""
+        self.sample_ids.append(np.asarray(sample["token_ids"], np.int32))
+        self.sample_logprobs.append(np.asarray(sample["logprobs"], np.float32))
+        for runs, name in ((self.mask_runs, "loss_mask"), (self.version_runs, "policy_versions")):
+            runs[0].extend(sample[name])
+            runs[1].extend([1] * len(sample[name]))
+        for name, lengths in self.sample_lengths.items():
+            lengths.append(len(sample[name]))
+
+    def batch(self) -> pa.RecordBatch:
+        """The rollouts added so far as one record batch of ``ROLLOUT_SCHEMA``."""
+        columns = {name: column(self.values[name], ROLLOUT_SCHEMA.field(name).type) for name in self.values}
+        columns["turns"] = lists(self.lengths["turns"], self._turn_structs())
+        columns["samples"] = lists(self.lengths["samples"], self._sample_structs())
+        return pa.RecordBatch.from_arrays([columns[f.name] for f in ROLLOUT_SCHEMA], schema=ROLLOUT_SCHEMA)
+
+    def _turn_structs(self) -> pa.StructArray:
+        arrays, lengths = self.turn_arrays, self.lengths
+        children = {name: column(values, TURN_TYPE.field(name).type) for name, values in self.turn_values.items()}
+        for name in ("prompt_delta_ids", "completion_ids", "synthetic_closer_ids"):
+            children[name] = _ids(lengths[name], arrays[name])
+        logprobs = _joined(arrays["logprobs"], np.float32)
+        children["logprobs"] = lists(lengths["logprobs"], primitive(logprobs, pa.float32(), np.isfinite(logprobs)))
+        children["policy_versions"] = column(self.turn_spans, _SPANS)
+        return pa.StructArray.from_arrays([children[f.name] for f in TURN_TYPE], fields=list(TURN_TYPE))
+
+    def _sample_structs(self) -> pa.StructArray:
+        lengths = self.sample_lengths
+        children = {name: column(values, SAMPLE_TYPE.field(name).type) for name, values in self.sample_values.items()}
+        children["token_ids"] = _ids(lengths["token_ids"], self.sample_ids)
+        logprobs = _joined(self.sample_logprobs, np.float32)
+        zeroed = np.where(np.isfinite(logprobs), logprobs, np.float32(0))
+        children["logprobs"] = lists(lengths["logprobs"], primitive(zeroed, pa.float32()))
+        for name, (runs, counts) in (("loss_mask", self.mask_runs), ("policy_versions", self.version_runs)):
+            values = np.repeat(np.asarray(runs, np.int32), counts)
+            children[name] = lists(lengths[name], primitive(values, pa.int32()))
+        return pa.StructArray.from_arrays([children[f.name] for f in SAMPLE_TYPE], fields=list(SAMPLE_TYPE))
+
+
+def _ids(lengths: list[int], arrays: list[Any]) -> pa.ListArray:
+    return lists(lengths, primitive(_joined(arrays, np.int32), pa.int32()))
+
+
+def _joined(arrays: list[Any], dtype: Any) -> np.ndarray[Any, Any]:
+    return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
+
+
+_ZEROS = np.zeros(4096, np.float32)
+
+
+def _zeros(n: int) -> np.ndarray[Any, Any]:
+    """``n`` zero logprobs (a view of a cached array)."""
+    global _ZEROS
+    if n > len(_ZEROS):
+        _ZEROS = np.zeros(2 * n, np.float32)
+    return _ZEROS[:n]
+
+
+def _version_runs(spans: list[list[int]], n: int, values: list[int], counts: list[int]) -> None:
+    """A turn's per-token versions (``token_versions``) as (version, count) runs."""
+    if len(spans) == 1 and not spans[0][0]:  # one version for the whole completion: the usual case
+        values.append(spans[0][1])
+        counts.append(n)
+        return
+    per_token = token_versions(spans, n)
+    values.extend(per_token)
+    counts.extend([1] * n)

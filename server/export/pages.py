@@ -1,0 +1,157 @@
+"""Reading an export page by page on a connection of the database driver itself (``sqlite3`` or asyncpg),
+past SQLAlchemy's execution and result layers: a page is the filters' chats with ids in a range, their
+messages, and the token records of their complete assistant messages (``query.page_statements``).
+
+The statements are compiled once by SQLAlchemy for the engine's dialect (the SQL and its parameter
+order: what is read is the same as through SQLAlchemy; no column read here needs its result
+processing, see ``Decoders``). A ``PageQueries`` is plain data: export worker processes
+(``server/export/parallel.py``) open their own connections with it."""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import sqlite3
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import orjson
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from server.db import SQLITE_PRAGMAS
+from server.export.query import (
+    M_CHAT,
+    M_ID,
+    M_ROLE,
+    M_STATE,
+    T_ID,
+    Decoders,
+    ExportFilters,
+    decoders,
+    page_statements,
+)
+from shared.api import MessageState
+
+# cancelled messages keep the tokens generated until the abort (finish_reason "abort")
+_DONE = (MessageState.complete.value, MessageState.cancelled.value)
+
+
+@dataclass(frozen=True)
+class _Statement:
+    sql: str
+    names: tuple[str, ...]  # the parameters in the SQL's positional order
+    constants: dict[str, Any]  # the values SQLAlchemy binds itself (literals of the statement)
+
+    def args(self, **params: Any) -> list[Any]:
+        values = self.constants | params
+        return [values[name] for name in self.names]
+
+
+@dataclass(frozen=True)
+class PageQueries:
+    """An export's page statements for one database, and how to connect to it."""
+
+    postgres: bool
+    statements: dict[str, _Statement]
+    connect_args: tuple[list[Any], dict[str, Any]]  # the driver's connect(*args, **kwargs)
+    decoders: Decoders
+
+
+def page_queries(engine: AsyncEngine, filters: ExportFilters) -> PageQueries:
+    dialect = engine.dialect
+    postgres = dialect.name == "postgresql"
+    statements = {}
+    for name, stmt in page_statements(filters, postgres).items():
+        compiled = stmt.compile(dialect=dialect)
+        constants = {k: v for k, v in compiled.construct_params(_check=False).items() if v is not None}
+        statements[name] = _Statement(compiled.string, tuple(compiled.positiontup or ()), constants)
+    args, kwargs = dialect.create_connect_args(engine.url)
+    for key in ("async_creator_fn", "prepared_statement_cache_size", "prepared_statement_name_func"):
+        kwargs.pop(key, None)  # SQLAlchemy's own options of its asyncpg adapter
+    return PageQueries(postgres, statements, (list(args), dict(kwargs)), decoders(dialect))
+
+
+class Connection(Protocol):
+    async def rows(self, stmt: _Statement, **params: Any) -> list[Any]: ...
+
+    async def close(self) -> None: ...
+
+
+class _Sqlite:
+    """Runs each statement to its end in the calling thread (a page takes milliseconds)."""
+
+    def __init__(self, queries: PageQueries) -> None:
+        args, kwargs = queries.connect_args
+        self._conn = sqlite3.connect(*args, **kwargs)
+        for pragma in SQLITE_PRAGMAS:  # the server's settings (busy_timeout: wait for a writer)
+            self._conn.execute(f"PRAGMA {pragma}")
+
+    async def rows(self, stmt: _Statement, **params: Any) -> list[Any]:
+        if isinstance(params.get("ids"), list):
+            params["ids"] = orjson.dumps(params["ids"]).decode()  # json_each reads the list
+        rows: list[Any] = self._conn.execute(stmt.sql, stmt.args(**params)).fetchall()
+        return rows
+
+    async def close(self) -> None:
+        self._conn.close()
+
+
+class _Postgres:
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+
+    async def rows(self, stmt: _Statement, **params: Any) -> list[Any]:
+        return await self._conn.fetch(stmt.sql, *stmt.args(**params))  # type: ignore[no-any-return]
+
+    async def close(self) -> None:
+        await self._conn.close()
+
+
+async def connect(queries: PageQueries) -> Connection:
+    if not queries.postgres:
+        return _Sqlite(queries)
+    import asyncpg  # type: ignore[import-untyped]
+
+    args, kwargs = queries.connect_args
+    return _Postgres(await asyncpg.connect(*args, **kwargs))
+
+
+async def page_bounds(conn: Connection, queries: PageQueries, size: int) -> list[tuple[str, str]]:
+    """The export's pages of ``size`` chats (the last one maybe fewer) as bounds (after, last]."""
+    st = queries.statements
+    bounds: list[tuple[str, str]] = []
+    after = ""
+    while rows := await conn.rows(st["bound"], after=after, skip=size - 1):
+        bounds.append((after, rows[0][0]))
+        after = rows[0][0]
+    last = (await conn.rows(st["last"], after=after))[0][0]
+    if last is not None:
+        bounds.append((after, last))
+    return bounds
+
+
+# Chats per read. Few on SQLite: their rows become rollouts while still in the CPU's caches; more on
+# PostgreSQL, where each statement costs a round trip and its planning on the server.
+READ_BATCH = 50
+READ_BATCH_POSTGRES = 250
+
+
+async def page_chats(
+    conn: Connection, queries: PageQueries, after: str, last: str
+) -> AsyncIterator[tuple[str, str, list[Any], dict[str, Any]]]:
+    """The chats with ids in (``after``, ``last``] that the filters select, in id order, each with its
+    message rows (``M_*`` layout, in id order) and the token rows of its complete assistant messages
+    (``T_*`` layout, by message id)."""
+    st = queries.statements
+    chats = await conn.rows(st["chats"], after=after, last=last)
+    size = READ_BATCH_POSTGRES if queries.postgres else READ_BATCH
+    for i in range(0, len(chats), size):
+        batch = chats[i : i + size]
+        start = chats[i - 1][0] if i else after
+        msgs = await conn.rows(st["messages"], after=start, last=batch[-1][0], ids=[c[0] for c in batch])
+        replies = [m[M_ID] for m in msgs if m[M_ROLE] == "assistant" and m[M_STATE] in _DONE]
+        tokens = {t[T_ID]: t for t in await conn.rows(st["tokens"], ids=replies)} if replies else {}
+        by_chat = {cid: list(group) for cid, group in itertools.groupby(msgs, key=operator.itemgetter(M_CHAT))}
+        for chat_id, user_id in batch:
+            yield chat_id, user_id, by_chat.get(chat_id, []), tokens

@@ -1,0 +1,328 @@
+"""An export's pages, encoded, in order: on forked worker processes when the machine has cores to spare.
+
+Turning rows into rollouts and rollouts into JSON or Arrow is Python's work (about a tenth of a
+millisecond per rollout) and holds the GIL, so a second core takes a second process. The pages (ranges
+of chat ids, fixed at the start: ``page_bounds``) are dealt out, page k to worker k mod n; each worker
+reads its pages on a database connection of its own, encodes them (an ``Encoder``) and writes them to
+a pipe; the parent takes the pages from the pipes in order and writes them (JSON lines: moved by the
+kernel from the pipe into the file, ``os.splice``), so the output is the same as one process writing
+page after page (``export_pages`` with one worker does exactly that, in the calling process). A worker
+is a fork of the parent (nothing to import or pickle) and holds one page at a time; the parent holds at
+most one page of each worker, so memory stays flat however long the export.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import multiprocessing
+import os
+import queue
+import signal
+import struct
+import sys
+import threading
+import traceback
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from server.export.pages import Connection, PageQueries, connect, page_bounds, page_chats
+from server.export.query import ExportFilters, PolicyPaths
+from server.export.rollouts import rows_rollout_parts
+from server.export.writers import PageWriter
+
+CHATS_PER_PAGE = 250  # the unit of work of a worker, and of the Parquet writer (a row group)
+MAX_WORKERS = 4  # past a few, the database rather than Python sets the pace
+
+
+class Encoder(Protocol):
+    """Turns a page's rollouts (``path_rollout_parts``) into bytes that its ``PageWriter`` takes."""
+
+    def add(self, rollout: dict[str, Any]) -> int:
+        """Encode one rollout; returns the number of records it makes."""
+        ...
+
+    def payload(self) -> list[Any]:
+        """The rollouts added, encoded: bytes-like chunks to be concatenated."""
+        ...
+
+
+@dataclass(frozen=True)
+class Job:
+    queries: PageQueries
+    filters: ExportFilters
+    paths: PolicyPaths
+    encoder: Callable[[], Encoder]
+
+
+@dataclass(frozen=True)
+class Page:
+    chats: int
+    rollouts: int
+    records: int
+    payload: list[Any]  # bytes-like chunks
+
+
+@dataclass
+class Stats:
+    """What the last export's workers report: their number and each one's peak memory growth (MiB)."""
+
+    workers: int = 0
+    peak_growth_mb: list[float] = field(default_factory=list)
+
+
+LAST = Stats()
+
+
+async def export_pages(job: Job, writer: PageWriter, workers: int) -> AsyncIterator[Page]:
+    """Encodes the export's pages and writes them, in order; on ``workers`` processes (at most one per
+    page; one: in this process). Yields each page once written (its payload then empty)."""
+    conn = await connect(job.queries)
+    try:
+        bounds = await page_bounds(conn, job.queries, CHATS_PER_PAGE)
+    finally:
+        await conn.close()
+    workers = max(1, min(workers, len(bounds)))
+    LAST.workers, LAST.peak_growth_mb = (workers if workers > 1 else 0), []
+    pages = _inline(job, bounds, writer) if workers == 1 else _forked(job, bounds, workers, writer)
+    async for page in pages:
+        yield page
+
+
+def default_workers() -> int:
+    """One worker per core this process may run on, up to ``MAX_WORKERS``; elsewhere than on Linux one,
+    this process (its workers are forks, and the writing takes Linux's pipes and ``splice``)."""
+    if sys.platform != "linux":
+        return 1
+    return min(MAX_WORKERS, len(os.sched_getaffinity(0)))
+
+
+async def _inline(job: Job, bounds: list[tuple[str, str]], writer: PageWriter) -> AsyncIterator[Page]:
+    conn = await connect(job.queries)
+    try:
+        for after, last in bounds:
+            page = await _encode_page(job, conn, after, last)
+            writer.write_page(page.payload)
+            yield page
+    finally:
+        await conn.close()
+
+
+async def _encode_page(job: Job, conn: Connection, after: str, last: str) -> Page:
+    encoder = job.encoder()
+    chats = rollouts = records = 0
+    dec = job.queries.decoders
+    async for chat_id, user_id, msgs, tokens in page_chats(conn, job.queries, after, last):
+        chats += 1
+        # each rollout is encoded as soon as it is built, while its arrays are in the CPU's caches
+        for rollout in rows_rollout_parts(chat_id, user_id, msgs, tokens, job.filters, dec, job.paths):
+            records += encoder.add(rollout)
+            rollouts += 1
+    return Page(chats, rollouts, records, encoder.payload())
+
+
+# A frame on a worker's pipe: kind, chats, rollouts, records, payload length; then the payload.
+_HEADER = struct.Struct("<5q")
+_PAGE, _ERROR, _DONE = range(3)
+
+
+async def _forked(job: Job, bounds: list[tuple[str, str]], n: int, writer: PageWriter) -> AsyncIterator[Page]:
+    workers = _Workers(job, bounds, n)
+    target = writer.splice_target() if hasattr(os, "splice") else None
+    try:
+        if target is None:
+            workers.read_ahead()  # pages are read as they come: a worker never waits for this process's writing
+        for seq in range(len(bounds)):
+            if target is not None:
+                page = await asyncio.to_thread(workers.splice_page, seq % n, target)
+            else:
+                page = await asyncio.to_thread(workers.next_page, seq % n)
+                await asyncio.to_thread(writer.write_page, page.payload)
+                workers.written(seq % n)
+            yield Page(page.chats, page.rollouts, page.records, [])
+        LAST.peak_growth_mb = await asyncio.to_thread(workers.peak_growth)
+    finally:
+        workers.stop()
+
+
+class _Workers:
+    """The forked worker processes, each with the pipe it writes its frames to."""
+
+    def __init__(self, job: Job, bounds: list[tuple[str, str]], n: int) -> None:
+        import fcntl
+
+        ctx = multiprocessing.get_context("fork")
+        pipes = [os.pipe() for _ in range(n)]
+        self.procs: list[Any] = []
+        for k, (_, w) in enumerate(pipes):
+            with contextlib.suppress(AttributeError, OSError):  # a larger pipe: fewer hand-offs (Linux)
+                fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 1 << 20)
+            others = [fd for pipe in pipes for fd in pipe if fd != w]
+            self.procs.append(ctx.Process(target=_worker, args=(job, bounds[k::n], w, others), daemon=True))
+            self.procs[-1].start()
+        self.readers = [os.fdopen(r, "rb", buffering=0) for r, _ in pipes]
+        for _, w in pipes:
+            os.close(w)
+        self.queues: list[queue.Queue[tuple[int, Page] | BaseException]] = []
+        self.slots: list[threading.Semaphore] = []
+        self.threads: list[threading.Thread] = []
+
+    def read_ahead(self) -> None:
+        """Reads each worker's frames on a thread of its own, at most one frame ahead of the writing."""
+        self.queues = [queue.Queue() for _ in self.procs]
+        self.slots = [threading.Semaphore(1) for _ in self.procs]
+        self.threads = [threading.Thread(target=self._read_all, args=(k,), daemon=True) for k in range(len(self.procs))]
+        for thread in self.threads:
+            thread.start()
+
+    def _read_all(self, k: int) -> None:
+        try:
+            while True:
+                self.slots[k].acquire()  # freed once the frame before is written
+                kind, page = self._frame(k)
+                self.queues[k].put((kind, page))
+                if kind == _DONE:
+                    return
+        except BaseException as exc:  # handed to the writing side, which raises it
+            self.queues[k].put(exc)
+
+    def next_page(self, k: int) -> Page:
+        """The next page of worker ``k``; ``written(k)`` once it is written lets the next one be read."""
+        return self._take(k)[1]
+
+    def written(self, k: int) -> None:
+        self.slots[k].release()
+
+    def splice_page(self, k: int, target: int) -> Page:
+        """The next page of worker ``k``, its bytes moved by the kernel into ``target`` (no copy here)."""
+        kind, chats, rollouts, records, size = self._header(k)
+        if kind != _PAGE:
+            self._fail(k, kind, self._read_exact(k, size))
+        while size:
+            moved = os.splice(self.readers[k].fileno(), target, size)
+            if not moved:
+                self._ended(k)
+            size -= moved
+        return Page(chats, rollouts, records, [])
+
+    def peak_growth(self) -> list[float]:
+        """Each worker's peak memory growth (MiB), from its last frame."""
+        return [float(b"".join(self._take(k)[1].payload) or "nan") for k in range(len(self.procs))]
+
+    def _take(self, k: int) -> tuple[int, Page]:
+        if not self.queues:
+            return self._frame(k)
+        item = self.queues[k].get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def _frame(self, k: int) -> tuple[int, Page]:
+        kind, chats, rollouts, records, size = self._header(k)
+        payload = self._read_exact(k, size)
+        if kind == _ERROR:
+            self._fail(k, kind, payload)
+        return kind, Page(chats, rollouts, records, [payload])
+
+    def _header(self, k: int) -> tuple[int, int, int, int, int]:
+        kind, chats, rollouts, records, size = _HEADER.unpack(self._read_exact(k, _HEADER.size))
+        return kind, chats, rollouts, records, size
+
+    def _read_exact(self, k: int, size: int) -> bytearray:
+        buf = bytearray(size)
+        view = memoryview(buf)
+        got = 0
+        while got < size:
+            n = self.readers[k].readinto(view[got:])
+            if not n:
+                self._ended(k)
+            got += n
+        return buf
+
+    def _fail(self, k: int, kind: int, payload: bytearray) -> None:
+        text = payload.decode(errors="replace") if kind == _ERROR else f"an unexpected frame ({kind})"
+        raise RuntimeError(f"export worker {self.procs[k].pid} failed:\n{text}")
+
+    def _ended(self, k: int) -> None:
+        proc = self.procs[k]
+        proc.join(1)
+        raise RuntimeError(f"export worker {proc.pid} ended early (exit code {proc.exitcode})")
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+        for thread, slot in zip(self.threads, self.slots, strict=True):
+            while thread.is_alive():  # it ends at the end of its pipe (the worker is gone), given a slot
+                slot.release()
+                thread.join(0.01)
+        for reader in self.readers:
+            reader.close()
+
+
+def _worker(job: Job, bounds: list[tuple[str, str]], out: int, inherited: list[int]) -> None:
+    """A worker process: encodes its pages, writes them to ``out``, then a last frame with its peak memory."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the export (and its workers)
+    for fd in inherited:
+        os.close(fd)
+    # Rollouts are trees of dicts, lists and arrays that reference counting frees; the cycle collector
+    # would only rescan the page's rows again and again.
+    gc.disable()
+    base = _reset_peak_rss()
+    try:
+        asyncio.run(_work(job, bounds, out))
+    except BaseException:
+        _write_frame(out, _ERROR, Page(0, 0, 0, [traceback.format_exc().encode()]))
+        return
+    peak = _status_kb("VmHWM")
+    growth = b"" if base is None or peak is None else f"{(peak - base) / 1024:.1f}".encode()
+    _write_frame(out, _DONE, Page(0, 0, 0, [growth]))
+
+
+async def _work(job: Job, bounds: list[tuple[str, str]], out: int) -> None:
+    conn = await connect(job.queries)
+    try:
+        for after, last in bounds:
+            _write_frame(out, _PAGE, await _encode_page(job, conn, after, last))
+    finally:
+        await conn.close()
+
+
+def _write_frame(out: int, kind: int, page: Page) -> None:
+    size = sum(len(chunk) for chunk in page.payload)
+    chunks: list[Any] = [_HEADER.pack(kind, page.chats, page.rollouts, page.records, size), *page.payload]
+    i = 0
+    while i < len(chunks):  # writev takes at most IOV_MAX buffers and may write part of them
+        written = os.writev(out, chunks[i : i + _IOV_MAX])
+        while i < len(chunks) and written >= len(chunks[i]):
+            written -= len(chunks[i])
+            i += 1
+        if written:
+            chunks[i] = memoryview(chunks[i])[written:]
+
+
+_IOV_MAX = 1024
+
+
+def _reset_peak_rss() -> int | None:
+    """Resets the peak resident memory to the current (Linux); returns the current, in KiB."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        return None
+    return _status_kb("VmRSS")
+
+
+def _status_kb(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None

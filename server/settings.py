@@ -86,6 +86,11 @@ class ServerSettings(BaseSettings):
     idempotency_ttl_s: float = Field(default=86400.0, gt=0.0)
     """Seconds an ``Idempotency-Key`` and what its request created are kept: a retry with the key within this
     long is answered as the first request was; after it the key is free again."""
+    stream_interval: int = Field(default=1, ge=1, le=1024)
+    """The fewest tokens a streamed OpenAI-style chunk (chat completions, completions, Responses, Messages)
+    carries, but the last: tokens are held until that many arrived (fewer chunks, later first token). A
+    request's ``stream_interval`` overrides it. A reader that falls behind gets what it missed in one
+    chunk whatever this is."""
     rollout_feed_poll_s: float = Field(default=0.25, gt=0.0)
     """How often a rollout-feed stream (``GET /v1/rollouts``) looks for episodes finished on other server
     processes (those finished on its own wake it at once)."""

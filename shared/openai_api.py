@@ -62,6 +62,8 @@ class SamplingFields(SamplingKnobs):
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = None  # token ids are always returned; accepted for vLLM clients
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>" (vLLM)
+    # tokentrail: the fewest tokens a streamed chunk carries but the last (server default: stream_interval)
+    stream_interval: Annotated[int, Field(ge=1, le=1024)] | None = None
     # tokentrail: continue this chat (otherwise the longest matching stored conversation)
     conversation_id: str | None = None
 

@@ -341,3 +341,50 @@ async def test_restart_drops_what_is_left_and_is_remembered(streams: TokenStream
     assert await streams.length(mid) == 0
     await streams.append(mid, batch(0, 2))
     assert starts(await streams.read(mid, after=-1, timeout_s=0)) == [0]
+
+
+def _reading_state(streams: TokenStreams) -> object:
+    """What ``chats.follow`` reads from the app state when a stream neither waits long nor ends unseen:
+    the streams and one setting (no database is touched)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(streams=streams, settings=SimpleNamespace(pending_event_interval_s=0.2))
+
+
+async def test_a_reader_behind_gets_the_batches_it_missed_joined(streams: TokenStreams, mid: str) -> None:
+    from server.chats.follow import Ended, follow
+
+    for i in range(5):
+        await streams.append(mid, batch(i, 1))
+    reader = follow(_reading_state(streams), mid)  # type: ignore[arg-type]
+    first = await anext(reader)
+    assert isinstance(first, TokenBatch) and (first.start, len(first.token_ids)) == (0, 5)
+    assert first.texts == [f"<{100 + i}>" for i in range(5)]
+    await streams.append(mid, batch(5, 2))
+    await streams.append(mid, batch(7, 1))
+    await streams.finish(mid, StreamDone("complete"))
+    second = await anext(reader)
+    assert isinstance(second, TokenBatch) and (second.start, second.token_ids) == (5, [105, 106, 107])
+    assert isinstance(await anext(reader), Ended)
+
+
+async def test_an_interval_holds_tokens_until_that_many_arrived(streams: TokenStreams, mid: str) -> None:
+    from server.chats.follow import Ended, follow
+
+    got: list[TokenBatch] = []
+
+    async def read() -> None:
+        async for item in follow(_reading_state(streams), mid, interval=3):  # type: ignore[arg-type]
+            if isinstance(item, TokenBatch):
+                got.append(item)
+            elif isinstance(item, Ended):
+                return
+
+    reader = asyncio.create_task(read())
+    for i in range(8):
+        await streams.append(mid, batch(i, 1))
+        await asyncio.sleep(0.01)
+    await streams.finish(mid, StreamDone("complete"))
+    await asyncio.wait_for(reader, 10)
+    assert [t for b in got for t in b.token_ids] == list(range(100, 108))
+    assert all(len(b.token_ids) >= 3 for b in got[:-1]), [len(b.token_ids) for b in got]

@@ -131,7 +131,7 @@ async def _events(ctx: MessageContext, state: AppState, message_id: str) -> Asyn
     blocks = _Blocks()
     started = False
     reset = False  # the stream was rewound (a new attempt): hold the text until the stored message says
-    async for item in follow(state, message_id, progress):
+    async for item in follow(state, message_id, progress, state.settings.stream_interval):
         if not started:
             prompt = len(progress.prompt_ids or [])
             message = ctx.shell(message_id, usage(prompt, 0, 0))

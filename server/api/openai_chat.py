@@ -252,7 +252,8 @@ class _ChatContext:
         # The deltas add up to the stored message (DESIGN D19): held text comes out when it is sure.
         reply = ReplyStream(self.req.stop_strings())
         prompt_sent = False
-        async for item in follow(state, message_id, progress):
+        interval = self.req.stream_interval or state.settings.stream_interval
+        async for item in follow(state, message_id, progress, interval):
             if isinstance(item, TokenBatch):
                 delta: dict[str, Any] = {"role": "assistant"} if first else {}
                 _add_text(delta, reply.feed(item.texts, item.channels))

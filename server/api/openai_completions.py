@@ -259,7 +259,8 @@ class _CompletionContext:
         offset = len(job.echo)
         # The text deltas add up to the stored text (DESIGN D19): a stop string's start is held back.
         reply = ReplyStream(self.req.stop_strings(), strip=False)
-        async for item in follow(state, job.message_id, progress):
+        interval = self.req.stream_interval or state.settings.stream_interval
+        async for item in follow(state, job.message_id, progress, interval):
             if isinstance(item, TokenBatch):
                 text = "".join(item.texts)
                 choice: dict[str, Any] = {
@@ -451,7 +452,7 @@ async def _generate_stream(state: AppState, shape: _GenerateShape, ids: list[str
 
     async def one(index: int, message_id: str) -> AsyncIterator[bytes]:
         reply = ReplyStream(body.sampling_params.stop_strings(), strip=False)
-        async for item in follow(state, message_id, Progress()):
+        async for item in follow(state, message_id, Progress(), state.settings.stream_interval):
             if isinstance(item, TokenBatch):
                 choice = shape.choice(index, item.token_ids, item.logprobs, item.texts, item.top_logprobs)
                 if body.output_mode == "text":

@@ -22,7 +22,7 @@ from server.chats.finished import Finished
 from server.models import Message, MessageTokens
 from server.outages import is_unavailable, until_available
 from server.state import AppState
-from server.streams.protocol import StreamDone, StreamReset, TokenBatch
+from server.streams.protocol import StreamDone, StreamReset, TokenBatch, concatenated
 from shared.api import FINISHED_STATES
 
 # Empty waits between checks that the message has not ended unseen (a safety net for streams that
@@ -45,9 +45,13 @@ class Ended:
 
 
 async def follow(
-    state: AppState, message_id: str, after: int = -1
+    state: AppState, message_id: str, after: int = -1, interval: int = 1
 ) -> AsyncIterator[TokenBatch | StreamReset | Waiting | Ended]:
     """The new token batches after index ``after``, resets and empty waits, then ``Ended``.
+
+    Batches a reader has not yet taken come joined into one (a reader that fell behind gets one event
+    per read, not one per engine step), and held until they hold ``interval`` tokens: the stream's end,
+    a reset or an empty wait lets a shorter one out.
 
     A reader may hold tokens of a stream that was lost and restarted by a new attempt (a restarted
     embedded server, a Redis restart): it is told to drop them (a ``StreamReset``) when it resumes
@@ -60,6 +64,7 @@ async def follow(
         after = seen[0] - 1
     check = True  # look for a restart (since ``seen``) before taking the next entries
     empty = 0
+    held: TokenBatch | None = None  # tokens taken but not yet given out (fewer than ``interval``)
     while True:
         entries = await state.streams.read(message_id, after, timeout_s=state.settings.pending_event_interval_s)
         if check:
@@ -68,10 +73,16 @@ async def follow(
             if mark != seen:
                 seen = mark
                 if mark is not None and mark[0] <= after:
+                    if held is not None:
+                        yield held  # before the reset, which tells the reader to drop what it covers
+                        held = None
                     yield StreamReset(mark[0])
                     after = mark[0] - 1
                     continue
         if not entries:
+            if held is not None:
+                yield held
+                held = None
             empty += 1
             check = True
             if (
@@ -89,15 +100,28 @@ async def follow(
         for entry in entries:
             if isinstance(entry, TokenBatch):
                 part = _new_part(entry, after)
-                if part is not None:
-                    after = part.end - 1
-                    yield part
-            elif isinstance(entry, StreamReset):
+                if part is None:
+                    continue
+                after = part.end - 1
+                joined = part if held is None else concatenated((held, part))
+                if joined is None:  # per-token fields that do not join (e.g. another weights version)
+                    assert held is not None
+                    yield held
+                    joined = part
+                held = joined
+                continue
+            if held is not None:
+                yield held
+                held = None
+            if isinstance(entry, StreamReset):
                 after = entry.from_index - 1
                 yield entry
             elif isinstance(entry, StreamDone):
                 yield Ended(replay=False)
                 return
+        if held is not None and len(held.token_ids) >= interval:
+            yield held
+            held = None
 
 
 async def reset_for(state: AppState, message_id: str, after: int) -> int | None:
@@ -156,4 +180,5 @@ def _new_part(batch: TokenBatch, after: int) -> TokenBatch | None:
         batch.channels[skip:],
         top,
         None,
+        batch.policy_version,
     )

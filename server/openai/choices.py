@@ -40,11 +40,11 @@ class Progress:
 
 
 async def follow(
-    state: AppState, message_id: str, progress: Progress
+    state: AppState, message_id: str, progress: Progress, interval: int = 1
 ) -> AsyncIterator[TokenBatch | StreamReset | Finished]:
-    """New token batches (also recorded in ``progress``), resets, and finally ``Finished`` (nothing
-    when the message was deleted)."""
-    async for item in follow_message(state, message_id):
+    """New token batches (also recorded in ``progress``; at least ``interval`` tokens each but the last,
+    see ``chats.follow``), resets, and finally ``Finished`` (nothing when the message was deleted)."""
+    async for item in follow_message(state, message_id, interval=interval):
         if isinstance(item, TokenBatch):
             progress.add(item)
             yield item

@@ -82,7 +82,7 @@ class ResponseEvents:
         yield self.event("response.created", response=self.body_of("in_progress", [], None))
         yield self.event("response.in_progress", response=self.body_of("in_progress", [], None))
         reply = ReplyStream(self.stops)
-        async for item in follow(state, self.mid, Progress()):
+        async for item in follow(state, self.mid, Progress(), state.settings.stream_interval):
             if isinstance(item, TokenBatch):
                 for chunk in self._text(reply.feed(item.texts, item.channels)):
                     yield chunk

@@ -1,6 +1,6 @@
 """Chaos run: users chat through server replicas while workers, replicas and Redis are SIGKILLed.
 
-    python benchmarks/chaos.py [--duration 60] [--users 8] [--replicas 2] [--workers 2]
+    python benchmarks/chaos.py [--duration 60] [--users 8] [--replicas 2] [--processes 1] [--workers 2]
                                [--kill-every 10,20] [--tokens 24] [--seed 0] [--json]
                                [--connect all|one] [--schedule LIST] [--rolling N] [--no-idempotency]
 
@@ -179,9 +179,11 @@ def cluster(
     database: str | None = None,
     connect: str = "all",
     with_redis: bool = True,
+    processes: int = 1,
 ) -> Iterator[Cluster]:
     """``connect``: ``all`` (each worker gets every replica's URL, its own first) or ``one`` (worker i
-    only replica i % replicas). Without Redis: embedded defaults (one replica, its queue in-process)."""
+    only replica i % replicas). Without Redis: embedded defaults (one replica, its queue in-process).
+    ``processes``: server processes per replica (``serve --processes``; a replica's kill takes them all)."""
     from tests import services
 
     with contextlib.nullcontext(database) if database else services.postgres_service() as pg:
@@ -212,7 +214,12 @@ def cluster(
             ports = [free_port() for _ in range(replicas)]
             urls = [f"http://127.0.0.1:{p}" for p in ports]
             servers = [
-                Proc(f"server-{i}", ["serve", "--port", str(p), "--log-level", "warning"], env, work)
+                Proc(
+                    f"server-{i}",
+                    ["serve", "--port", str(p), "--log-level", "warning", "--processes", str(processes)],
+                    env,
+                    work,
+                )
                 for i, p in enumerate(ports)
             ]
             wenv = {**env, "OMP_NUM_THREADS": "1", **WORKER_ENV}
@@ -562,7 +569,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if sqlite
         else chaos_postgres.database(args) as (database, pg),
         cluster(
-            Path(tmp), args.replicas, args.workers, model_dir, args.logs, database, args.connect, with_redis=not sqlite
+            Path(tmp),
+            args.replicas,
+            args.workers,
+            model_dir,
+            args.logs,
+            database,
+            args.connect,
+            with_redis=not sqlite,
+            processes=args.processes,
         ) as c,
     ):
         tally = Tally()
@@ -675,6 +690,7 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=60.0)
     ap.add_argument("--users", type=int, default=8)
     ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--processes", type=int, default=1, help="server processes per replica (serve --processes)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--kill-every", default="10,20", help="seconds between kills: min,max")
     ap.add_argument("--tokens", type=int, default=48, help="tokens per reply")

@@ -85,6 +85,7 @@ async def ready(state: StateDep) -> JSONResponse:
     # the engines of workers connected to this process, by state (informational: work for a worker whose
     # engine is restarting waits in the queue or goes to another worker; it does not make this process unready)
     body["worker_engines"] = state.hub.engines.states()
+    body["server_id"] = state.hub.server_id  # which process answered (several share a port with --processes)
     if not ok:
         body["code"] = ErrorCode.not_ready.value
     if ok:

@@ -74,6 +74,8 @@ def cluster(
 def test_ready_pings_database_and_redis(cluster: tuple[str, str]) -> None:
     body = httpx.get(f"{cluster[0]}/ready").json()
     engines = body.pop("worker_engines")  # of the workers connected to this replica, by state
+    other = httpx.get(f"{cluster[1]}/ready").json()["server_id"]
+    assert len(body.pop("server_id")) == 8 and other != httpx.get(f"{cluster[0]}/ready").json()["server_id"]
     assert body == {"status": "ok", "checks": {"database": "ok", "redis": "ok"}}
     assert set(engines) <= {"ready"}, engines
 

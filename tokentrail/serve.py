@@ -55,6 +55,15 @@ def serve(
     closer_policy: opt.CloserPolicyOption = "keep",
     chat_template_kwargs: opt.ChatTemplateKwargs = None,
     local_drain_timeout: LocalDrainTimeout = None,
+    processes: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Server processes answering on the port (each a replica: Redis is required above 1; not with"
+            " --model). Env: TOKENTRAIL_PROCESSES",
+            envvar="TOKENTRAIL_PROCESSES",
+        ),
+    ] = 1,
 ) -> None:
     """Run the chat server; with --model, also generate for that model in this process (one machine, one
     model: no separate worker process). The engine options apply only with --model."""
@@ -68,6 +77,17 @@ def serve(
         auth_secret=auth_secret,
         local_drain_timeout_s=local_drain_timeout,
     )
+    if processes > 1:
+        from server.processes import check, run_processes
+
+        if model is not None:
+            raise typer.BadParameter("--processes above 1 cannot take --model: run workers beside the server")
+        try:
+            check(settings, processes)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from exc
+        run_processes(settings, processes, log_level, log_format)
+        return
     if model is None:
         srv.run_server(settings, log_level, log_format)
         return

@@ -5,7 +5,7 @@ conversations, sampling and closed-loop concurrency for every arm, one arm at a 
         [--api oa,openai] [--workload single,agent] [--turns 8] [--stop fixed,natural] [--tokens 64]
         [--concurrency 1,8,32] [--duration 20] [--device cpu|cuda] [--dtype float32|bfloat16|float16]
         [--seed-requests] [--run-seed N] [--rounds N] [--json] [--json-out FILE.json] [--plot FILE.png]
-    python benchmarks/pipeline.py --ceiling [--concurrency 32] [--readers 4] [--duration 10]
+    python benchmarks/pipeline.py --ceiling [--api oa,openai] [--concurrency 32] [--readers 4] [--duration 10]
     python benchmarks/pipeline.py --prompt-build
     python benchmarks/pipeline.py --idle-streams 5000
 
@@ -47,7 +47,8 @@ Then the ratios (÷ the engine alone, ÷ ``vllm serve``, PostgreSQL + Redis ÷ e
 
 ``--ceiling`` measures the pipeline without a model: a benchmark-only synthetic engine (in a worker
 process started by this script; not part of tokentrail) emits tokens as fast as the pipeline takes
-them, ``--readers`` SSE readers follow each message (OA flow). ``--prompt-build`` times the next turn's
+them, through each ``--api``: the OA flow with ``--readers`` SSE readers per message, or streamed chat
+completions with one reader per reply. ``--prompt-build`` times the next turn's
 prompt build after 1k / 8k / 32k-token histories. ``--idle-streams N`` holds N SSE readers on one slow
 message: the server's memory per reader.
 """
@@ -328,7 +329,8 @@ def main() -> int:
 
         tokens = args.tokens if args.tokens != 64 else 2048
         model_dir = args.model_dir or prepare_model("chatml")
-        points = run_ceiling(model_dir, _levels(args), tokens, args.duration, args.readers)
+        apis = _list(args.api, APIS, "--api")
+        points = run_ceiling(model_dir, _levels(args), tokens, args.duration, args.readers, apis)
     else:
         where = f" on {args.device}" if args.engine == "hf" else ""
         say(f"run seed {args.run_seed} (--run-seed); engine {args.engine}{where}, dtype {engine_dtype(args.dtype)}")

@@ -207,8 +207,11 @@ def run_idle(model_dir: str, n: int) -> dict[str, Any]:
         return asyncio.run(idle_streams(stack.url, stack.pids["server"], n))
 
 
-def run_ceiling(model_dir: str, levels: list[int], tokens: int, duration: float, readers: int) -> list[Point]:
-    """The OA flow, single-turn, exactly ``tokens`` tokens per reply from the synthetic engine."""
+def run_ceiling(
+    model_dir: str, levels: list[int], tokens: int, duration: float, readers: int, apis: list[str] | None = None
+) -> list[Point]:
+    """Single turns of exactly ``tokens`` tokens from the synthetic engine, through each of ``apis`` (the OA
+    flow with ``readers`` SSE readers per message; streamed chat completions, one reader per reply)."""
     worker_cmd = [sys.executable, str(ENTRY), "--synthetic-worker", "--model-dir", model_dir,
                   "--capacity", str(max(levels))]  # fmt: skip
     workload = Workload("single", 1, "fixed", tokens)
@@ -218,6 +221,6 @@ def run_ceiling(model_dir: str, levels: list[int], tokens: int, duration: float,
             meter = CpuMeter([Role("server", stack.pids["server"]), Role("worker", stack.pids["worker"])], client=True)
             return asyncio.run(
                 drive_tokentrail(
-                    "synthetic", stack.url, stack.user_key, meter, ["oa"], [workload], levels, duration, readers
+                    "synthetic", stack.url, stack.user_key, meter, apis or ["oa"], [workload], levels, duration, readers
                 )
             )

@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 _BACKLOG = 2048  # uvicorn's default
 _STOP_GRACE_S = 40.0  # a process's graceful stop (its local drain) before it is killed
 _RESTART_PAUSE_S = 1.0  # between a process's death and its restart: a crash loop stays slow
+_QUICK_EXIT_S = 10.0
+_CRASH_LOOP = 3  # quick exits in a row (e.g. the port is taken) end the whole server
 
 
 def check(settings: ServerSettings, processes: int) -> None:
@@ -105,17 +107,21 @@ def run_processes(settings: ServerSettings, processes: int, log_level: str, log_
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     procs = [start(i) for i in range(processes)]
+    started = [time.monotonic()] * processes
+    quick_exits = [0] * processes  # exits in a row within _QUICK_EXIT_S of starting: a crash loop
     log.info("serving on %s:%d from %d processes", settings.host, settings.port, processes)
     try:
         while not stopping:
             time.sleep(0.2)
             for i, proc in enumerate(procs):
-                if not proc.is_alive() and not stopping:
-                    log.error(
-                        "server process %d (pid %s) exited with %s; starting it again", i, proc.pid, proc.exitcode
-                    )
-                    time.sleep(_RESTART_PAUSE_S)
-                    procs[i] = start(i)
+                if proc.is_alive() or stopping:
+                    continue
+                quick_exits[i] = quick_exits[i] + 1 if time.monotonic() - started[i] < _QUICK_EXIT_S else 1
+                if quick_exits[i] >= _CRASH_LOOP:
+                    raise SystemExit(f"server process {i} exited {_CRASH_LOOP} times within seconds of starting")
+                log.error("server process %d (pid %s) exited with %s; starting it again", i, proc.pid, proc.exitcode)
+                time.sleep(_RESTART_PAUSE_S)
+                procs[i], started[i] = start(i), time.monotonic()
     finally:
         for proc in procs:
             if proc.is_alive() and proc.pid is not None:

@@ -159,3 +159,23 @@ def test_more_than_one_process_without_redis_is_refused(tmp_path: Path) -> None:
         env={k: v for k, v in os.environ.items() if k != "TOKENTRAIL_REDIS_URL"},
     )
     assert out.returncode == 2 and "needs Redis" in out.stderr, out.stderr
+
+
+def test_processes_that_cannot_start_end_the_server(redis_url: str, tmp_path: Path) -> None:
+    """A port another program holds: every process exits at once; the parent gives up instead of looping."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    env = {**os.environ, "TOKENTRAIL_REDIS_URL": redis_url, "TOKENTRAIL_AUTH_SECRET": SECRET}
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "tokentrail", "serve", "--processes", "2", "--port", str(port), "--data-dir",
+             str(tmp_path)],
+            capture_output=True, text=True, timeout=120, env=env,
+        )  # fmt: skip
+    finally:
+        taken.close()
+    assert out.returncode != 0 and "exited 3 times" in out.stderr, out.stderr[-3000:]

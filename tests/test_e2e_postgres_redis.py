@@ -7,6 +7,7 @@ a client reads the same message's events through the other (token fan-out throug
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -42,7 +43,12 @@ def cluster(
     assert up.wait(timeout=120) == 0, (logs / "upgrade.log").read_text()
     key = worker_key(ServerSettings(database_url=postgres_url, migrate_on_start=False))
     ports = [free_port(), free_port()]
-    procs = [spawn(["serve", "--port", str(p)], env=env, output=logs / f"server{p}.log") for p in ports]
+    # TOKENTRAIL_TEST_SERVER_PROCESSES=N runs this module with N processes per replica (serve --processes)
+    per_replica = os.environ.get("TOKENTRAIL_TEST_SERVER_PROCESSES", "1")
+    procs = [
+        spawn(["serve", "--port", str(p), "--processes", per_replica], env=env, output=logs / f"server{p}.log")
+        for p in ports
+    ]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     try:
         for url in urls:

@@ -46,7 +46,8 @@ configs_router = APIRouter(prefix="/configs", tags=["configs"])
 @configs_router.get("/model_configs")
 async def model_configs(state: StateDep) -> list[ModelConfigRead]:
     models = sorted((await state.catalog.offered()).values(), key=lambda m: m.name)
-    return [m.model_copy(update={"policy_version": state.hub.registry.current(m.name)}) for m in models]
+    versions = await state.hub.registry.fresh()
+    return [m.model_copy(update={"policy_version": versions.get(m.name, 0)}) for m in models]
 
 
 @configs_router.get("/builtin_plugins")

@@ -62,6 +62,7 @@ def _add_text(delta: dict[str, Any], text: Delta) -> None:
 @router.get("/v1/models")
 async def list_models(state: StateDep, _user: CurrentUser) -> dict[str, Any]:
     models = sorted((await state.catalog.offered()).values(), key=lambda m: m.name)
+    versions = await state.hub.registry.fresh()
     return {
         "object": "list",
         "data": [
@@ -72,7 +73,7 @@ async def list_models(state: StateDep, _user: CurrentUser) -> dict[str, Any]:
                 "owned_by": "tokentrail",
                 "root": m.name,
                 "max_model_len": m.max_context,
-                "policy_version": state.hub.registry.current(m.name),  # tokentrail: its current weights version
+                "policy_version": versions.get(m.name, 0),  # tokentrail: its current weights version
             }
             for m in models
         ],

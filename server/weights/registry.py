@@ -14,6 +14,7 @@ from sqlalchemy.exc import IntegrityError
 
 from server.db import SessionFactory
 from server.models import PolicyVersion, utcnow
+from server.outages import is_database_unavailable
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,16 @@ class PolicyRegistry:
         """Raise the cached current version (a push seen here); never lowers it."""
         if version > self._current.get(model, 0):
             self._current[model] = version
+
+    async def fresh(self) -> dict[str, int]:
+        """Every model's current version as SQL has it now (another process may have recorded a push a
+        moment ago); the cached versions while the database is unavailable."""
+        try:
+            return await self.refresh()
+        except Exception as exc:
+            if not is_database_unavailable(exc):
+                raise
+            return self.currents()
 
     async def refresh(self, model: str | None = None) -> dict[str, int]:
         """Read the current versions from SQL (one model's, or all), raising the cache to them."""

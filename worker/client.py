@@ -54,6 +54,7 @@ from worker.channels import Channel, LocalChannel, SocketChannel, ToServer
 from worker.chat_format import ChatFormat, RenderError
 from worker.engine_health import HealthState, SupervisedEngine
 from worker.engines.contract import Engine, EngineDead, EngineError
+from worker.frames import merged_steps
 from worker.generation import Pipeline, engine_request_id
 from worker.prompt_builder import CloserPolicy, PromptMode, template_error
 from worker.reconnect import ReconnectPolicy
@@ -348,7 +349,7 @@ class WorkerClient:
             self._outbox = None
         try:
             async with self._send_lock:
-                await box.channel.send_step(box.frames)
+                await box.channel.send_step(merged_steps(box.frames))
             box.settle(None)
         except Exception as exc:
             self._failed_channel = box.channel

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar, cast
 
 import orjson
 
 from shared.protocol import TokensFrame, TopLogprob
+
+F = TypeVar("F")
 
 
 @dataclass(slots=True)
@@ -50,6 +53,41 @@ class StepTokens:
         except TypeError:  # a value orjson does not take as it is (a numpy scalar): pydantic coerces it
             return self.frame().model_dump_json().encode()
 
+    def joins(self, then: StepTokens) -> bool:
+        """Whether ``then`` continues these tokens and can be sent in one frame with them."""
+        return (
+            then.start == self.start + len(self.token_ids)
+            and then.prompt_ids is None
+            and (then.channels is None) == (self.channels is None)
+            and (then.top_logprobs is None) == (self.top_logprobs is None)
+            and then.policy_version == self.policy_version
+        )
+
+    def copy(self) -> StepTokens:
+        """The frame with lists of its own (to extend)."""
+        return StepTokens(
+            self.message_id,
+            self.attempt,
+            self.start,
+            list(self.token_ids),
+            list(self.logprobs),
+            list(self.texts),
+            self.channels,
+            None if self.top_logprobs is None else list(self.top_logprobs),
+            self.prompt_ids,
+            self.policy_version,
+        )
+
+    def extend(self, then: StepTokens) -> None:
+        """Append ``then``'s tokens (``joins``) to this frame's own lists (``copy``)."""
+        self.token_ids += then.token_ids
+        self.logprobs += then.logprobs  # type: ignore[operator]
+        self.texts += then.texts
+        if self.channels is not None:
+            self.channels += then.channels or ""
+        if self.top_logprobs is not None:
+            self.top_logprobs += then.top_logprobs or []
+
     def frame(self) -> TokensFrame:
         """The validated protocol model (for tests and tools; the hot path sends ``json()``)."""
         return TokensFrame(
@@ -64,3 +102,34 @@ class StepTokens:
             prompt_ids=self.prompt_ids,
             policy_version=self.policy_version,
         )
+
+
+def merged_steps(frames: Sequence[F]) -> list[F]:
+    """The frames with each message's consecutive tokens frames joined into one, in order otherwise.
+
+    Frames pile up while a send is under way (a server slower than the engine); joined, the server
+    parses, checks and appends one frame per message per send rather than one per engine step. Only
+    tokens frames of one attempt with nothing of another kind between them are joined, so every other
+    frame keeps its place relative to each message's tokens."""
+    out: list[F] = []
+    last: dict[tuple[str, int], int] = {}  # (message, attempt) -> index in out of its latest tokens frame
+    copies: set[int] = set()  # indexes in out of frames made here (whose lists may be extended)
+    for frame in frames:
+        if not isinstance(frame, StepTokens):
+            out.append(frame)
+            last.clear()
+            continue
+        key = (frame.message_id, frame.attempt)
+        k = last.get(key)
+        if k is not None:
+            prev = cast(StepTokens, out[k])
+            if prev.joins(frame):
+                if k not in copies:  # never extend lists the pipeline or the engine may hold
+                    prev = prev.copy()
+                    out[k] = cast(F, prev)
+                    copies.add(k)
+                prev.extend(frame)
+                continue
+        last[key] = len(out)
+        out.append(frame)
+    return out

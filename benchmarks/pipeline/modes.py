@@ -61,6 +61,7 @@ class SyntheticEngine:
 
 def run_synthetic_worker(server_url: str, api_key: str, model_dir: str, capacity: int, rate: float = 0.0) -> None:
     from worker.chat_format import ChatFormat
+    from worker.cli import run_on_uvloop
     from worker.client import WorkerClient, WorkerOptions
 
     fmt = ChatFormat.load(model_dir)
@@ -68,7 +69,7 @@ def run_synthetic_worker(server_url: str, api_key: str, model_dir: str, capacity
     ids = [i for i in range(200, 400) if i not in specials]
     engine = SyntheticEngine(ids, rate)
     client = WorkerClient(WorkerOptions(server_url, api_key, MODEL, max_parallel=capacity), engine, fmt)
-    asyncio.run(client.run_forever())
+    run_on_uvloop(client.run_forever())  # as ``tokentrail worker`` runs
 
 
 # ---- prompt builds --------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from server.chats.finished import Finished
 from server.models import Message, MessageTokens
 from server.outages import is_unavailable, until_available
 from server.state import AppState
-from server.streams.protocol import StreamDone, StreamReset, TokenBatch, concatenated
+from server.streams.protocol import StreamDone, StreamReset, TokenBatch, concatenated, joins
 from shared.api import FINISHED_STATES
 
 # Empty waits between checks that the message has not ended unseen (a safety net for streams that
@@ -64,7 +64,7 @@ async def follow(
         after = seen[0] - 1
     check = True  # look for a restart (since ``seen``) before taking the next entries
     empty = 0
-    held: TokenBatch | None = None  # tokens taken but not yet given out (fewer than ``interval``)
+    held = _Held()  # tokens taken but not yet given out (fewer than ``interval``)
     while True:
         entries = await state.streams.read(message_id, after, timeout_s=state.settings.pending_event_interval_s)
         if check:
@@ -73,16 +73,14 @@ async def follow(
             if mark != seen:
                 seen = mark
                 if mark is not None and mark[0] <= after:
-                    if held is not None:
-                        yield held  # before the reset, which tells the reader to drop what it covers
-                        held = None
+                    if held:
+                        yield held.take()  # before the reset, which tells the reader to drop what it covers
                     yield StreamReset(mark[0])
                     after = mark[0] - 1
                     continue
         if not entries:
-            if held is not None:
-                yield held
-                held = None
+            if held:
+                yield held.take()
             empty += 1
             check = True
             if (
@@ -103,25 +101,43 @@ async def follow(
                 if part is None:
                     continue
                 after = part.end - 1
-                joined = part if held is None else concatenated((held, part))
-                if joined is None:  # per-token fields that do not join (e.g. another weights version)
-                    assert held is not None
-                    yield held
-                    joined = part
-                held = joined
+                if held and not joins(held.parts[-1], part):  # e.g. another weights version
+                    yield held.take()
+                held.add(part)
                 continue
-            if held is not None:
-                yield held
-                held = None
+            if held:
+                yield held.take()
             if isinstance(entry, StreamReset):
                 after = entry.from_index - 1
                 yield entry
             elif isinstance(entry, StreamDone):
                 yield Ended(replay=False)
                 return
-        if held is not None and len(held.token_ids) >= interval:
-            yield held
-            held = None
+        if held and held.tokens >= interval:
+            yield held.take()
+
+
+class _Held:
+    """Batches a reader took but has not yet been given, joined once when given (``concatenated``)."""
+
+    __slots__ = ("parts", "tokens")
+
+    def __init__(self) -> None:
+        self.parts: list[TokenBatch] = []
+        self.tokens = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.parts)
+
+    def add(self, part: TokenBatch) -> None:
+        self.parts.append(part)
+        self.tokens += len(part.token_ids)
+
+    def take(self) -> TokenBatch:
+        joined = concatenated(self.parts)
+        assert joined is not None  # only parts that join are added together
+        self.parts, self.tokens = [], 0
+        return joined
 
 
 async def reset_for(state: AppState, message_id: str, after: int) -> int | None:

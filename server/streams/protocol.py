@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Literal, Protocol
 
 
@@ -33,22 +34,33 @@ class TokenBatch:
         return self.start + len(self.token_ids)
 
 
+def joins(first: TokenBatch, then: TokenBatch) -> bool:
+    """Whether ``then``'s per-token fields can follow ``first``'s in one batch: channels and top logprobs
+    on both or on neither, and the same weights version."""
+    return (
+        bool(first.channels) == bool(then.channels)
+        and (first.top_logprobs is None) == (then.top_logprobs is None)
+        and first.policy_version == then.policy_version
+    )
+
+
 def concatenated(batches: Sequence[TokenBatch]) -> TokenBatch | None:
     """Consecutive batches as one (the first one's start and prompt), or None when some carry channels
     or top logprobs and others do not, or they come from different weights versions: such per-token
-    fields cannot be concatenated."""
-    if len({bool(b.channels) for b in batches}) > 1 or len({b.top_logprobs is None for b in batches}) > 1:
-        return None
-    if len({b.policy_version for b in batches}) > 1:
-        return None
+    fields cannot be concatenated. Each list is joined in one pass (``chain``): callers gather a run of
+    batches and join it once, never pairwise as they come (that copies the run again per batch)."""
     first = batches[0]
+    if len(batches) == 1:
+        return first
+    if not all(joins(first, b) for b in batches):
+        return None
     return TokenBatch(
         first.start,
-        [t for b in batches for t in b.token_ids],
-        [lp for b in batches for lp in b.logprobs],
-        [t for b in batches for t in b.texts],
-        "".join(b.channels for b in batches),
-        [t for b in batches for t in b.top_logprobs or ()] if first.top_logprobs is not None else None,
+        list(chain.from_iterable([b.token_ids for b in batches])),
+        list(chain.from_iterable([b.logprobs for b in batches])),
+        list(chain.from_iterable([b.texts for b in batches])),
+        "".join([b.channels for b in batches]),
+        list(chain.from_iterable([b.top_logprobs or () for b in batches])) if first.top_logprobs is not None else None,
         first.prompt_ids,
         first.policy_version,
     )

@@ -37,7 +37,7 @@ from server.models import WorkerKey
 from server.outages import is_unavailable, until_available
 from server.queue.protocol import WorkerDirectory, WorkItem, WorkQueue
 from server.settings import ServerSettings
-from server.streams.protocol import StreamConflict, StreamDone, TokenBatch, TokenStreams
+from server.streams.protocol import StreamConflict, StreamDone, TokenBatch, TokenStreams, concatenated, joins
 from server.weights.fleet import FleetWeights
 from server.weights.push import WeightsPush
 from server.weights.registry import PolicyRegistry
@@ -56,7 +56,7 @@ from server.workers.connection import (
 )
 from server.workers.engine_health import EngineHealth
 from server.workers.frame_queue import FrameQueue
-from server.workers.ingest import joined_batch, record_problem, record_without_nul, token_batch
+from server.workers.ingest import record_problem, record_without_nul, token_batch
 from server.workers.links import LocalLink, SocketLink, WorkerLink
 from server.workers.recovery import Recovery
 from server.workers.routing import Router
@@ -617,31 +617,33 @@ class WorkerHub:
 
     async def _on_tokens_many(self, conn: WorkerConnection, frames: list[TokensFrame]) -> None:
         """Append the frames' tokens in one round trip; a message's consecutive frames (engine steps
-        queued while the previous append ran) become one batch."""
-        items: list[tuple[TokensFrame, InFlight, TokenBatch]] = []
-        last: dict[str, int] = {}  # message id -> index in items of its latest batch
+        queued while the previous append ran) become one batch, joined once."""
+        items: list[tuple[TokensFrame, InFlight, list[TokenBatch]]] = []
+        last: dict[str, int] = {}  # message id -> index in items of its latest run of batches
         for f in frames:
             inflight = self._current(conn, f.message_id, f.attempt)
             if inflight is None:
                 continue
             k = last.get(f.message_id)
-            prev = items[k][2] if k is not None and items[k][1] is inflight else None  # this attempt's
+            run = items[k][2] if k is not None and items[k][1] is inflight else None  # this attempt's
+            prev = run[-1] if run else None
             batch = token_batch(f, prev.end if prev is not None else len(inflight.streamed), conn.hello.vocab_size)
             if batch is None:
                 continue
             if isinstance(batch, str):
                 await self.recovery.reject_attempt(conn, inflight, batch)
             elif conn.inflight.get(f.message_id) is inflight:
-                joined = joined_batch(prev, batch) if prev is not None else None
-                if k is not None and joined is not None:
-                    items[k] = (items[k][0], inflight, joined)
+                if run is not None and prev is not None and batch.start == prev.end and joins(prev, batch):
+                    run.append(batch)
                 else:
                     last[f.message_id] = len(items)
-                    items.append((f, inflight, batch))
+                    items.append((f, inflight, [batch]))
         if not items:
             return
-        results = await self.streams.append_many([(f.message_id, batch) for f, _, batch in items])
-        for (frame, inflight, batch), conflict in zip(items, results, strict=True):
+        batches = [_joined(run) for _, _, run in items]
+        appends = [(f.message_id, b) for (f, _, _), b in zip(items, batches, strict=True)]
+        results = await self.streams.append_many(appends)
+        for (frame, inflight, _), batch, conflict in zip(items, batches, results, strict=True):
             if conflict is None:
                 inflight.next_index = batch.end
                 del inflight.streamed[batch.start :]
@@ -715,3 +717,9 @@ class WorkerHub:
             await self.recovery.requeue(inflight.item, failed=True)
         else:
             await self.recovery.give_up(inflight.item, frame.code, frame.message)
+
+
+def _joined(run: list[TokenBatch]) -> TokenBatch:
+    joined = concatenated(run)
+    assert joined is not None  # a run holds batches that join
+    return joined

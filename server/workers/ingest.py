@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from typing import Any
+from typing import Any, cast
 
 from server.streams.protocol import TokenBatch, concatenated
 from shared.protocol import GenerationRecord, TokensFrame
@@ -19,13 +19,20 @@ _LOGPROB_SLACK = 1e-3  # float error of a log-softmax near probability 1
 
 def token_problem(ids: list[int], logprobs: list[float | None], vocab_size: int | None) -> str | None:
     """What is wrong with token ids (outside the announced vocabulary) or logprobs (not finite, or
-    above 0: a log-probability), or None."""
+    above 0: a log-probability), or None. The common case is checked with builtins over the whole list
+    (min, max, sum: no Python step per token); only a list that fails them is walked to name the culprit."""
     limit = vocab_size if vocab_size is not None else 2**31
-    for t in ids:
-        if not 0 <= t < limit:
-            return f"token id {t} is outside the vocabulary [0, {limit})"
-    for lp in logprobs:
-        if lp is not None and not (math.isfinite(lp) and lp <= _LOGPROB_SLACK):
+    if ids and (min(ids) < 0 or max(ids) >= limit):
+        bad = next(t for t in ids if not 0 <= t < limit)
+        return f"token id {bad} is outside the vocabulary [0, {limit})"
+    if not logprobs:
+        return None
+    values = cast("list[float]", logprobs if None not in logprobs else [lp for lp in logprobs if lp is not None])
+    # a sum is not finite when some value is -inf, inf or nan (or, for huge values, when it overflows)
+    if not values or (math.isfinite(sum(values)) and max(values) <= _LOGPROB_SLACK):
+        return None
+    for lp in values:
+        if not (math.isfinite(lp) and lp <= _LOGPROB_SLACK):
             return f"logprob {lp} is not a finite log-probability"
     return None
 
@@ -55,7 +62,9 @@ def token_batch(frame: TokensFrame, streamed: int, vocab_size: int | None) -> To
     if problem is not None:
         return problem
     prompt = frame.prompt_ids if frame.start == 0 else None
-    texts = [without_nul(t) for t in frame.texts]
+    texts = frame.texts
+    if "\x00" in "".join(texts):  # one scan of the step's text, not one per token
+        texts = [without_nul(t) for t in texts]
     version = frame.policy_version or 0
     return TokenBatch(frame.start, frame.token_ids, frame.logprobs, texts, channels, top, prompt, version)
 

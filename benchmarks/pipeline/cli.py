@@ -6,6 +6,7 @@ conversations, sampling and closed-loop concurrency for every arm, one arm at a 
         [--concurrency 1,8,32] [--duration 20] [--device cpu|cuda] [--dtype float32|bfloat16|float16]
         [--seed-requests] [--run-seed N] [--rounds N] [--json] [--json-out FILE.json] [--plot FILE.png]
     python benchmarks/pipeline.py --ceiling [--api oa,openai] [--concurrency 32] [--readers 4] [--duration 10]
+        [--against REF]
     python benchmarks/pipeline.py --prompt-build
     python benchmarks/pipeline.py --idle-streams 5000
 
@@ -48,7 +49,9 @@ Then the ratios (÷ the engine alone, ÷ ``vllm serve``, PostgreSQL + Redis ÷ e
 ``--ceiling`` measures the pipeline without a model: a benchmark-only synthetic engine (in a worker
 process started by this script; not part of tokentrail) emits tokens as fast as the pipeline takes
 them, through each ``--api``: the OA flow with ``--readers`` SSE readers per message, or streamed chat
-completions with one reader per reply. ``--prompt-build`` times the next turn's
+completions with one reader per reply. ``--against REF`` first runs the same ceiling on commit REF of
+this repository (its tree from ``git archive``: its server, worker and synthetic worker, keys issued by
+its code), so that a change's effect is measured in one run. ``--prompt-build`` times the next turn's
 prompt build after 1k / 8k / 32k-token histories. ``--idle-streams N`` holds N SSE readers on one slow
 message: the server's memory per reader.
 """
@@ -249,6 +252,11 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--ceiling", action="store_true", help="the pipeline's own ceiling with a synthetic engine")
     ap.add_argument("--readers", type=int, default=4, help="--ceiling: SSE readers per message")
+    ap.add_argument(
+        "--against",
+        metavar="REF",
+        help="--ceiling: first measure commit REF of this repository (its server and worker) in the same run",
+    )
     ap.add_argument("--prompt-build", action="store_true", help="time prompt builds after 1k / 8k / 32k tokens")
     ap.add_argument("--idle-streams", type=int, default=0, help="server memory per connected SSE reader (e.g. 5000)")
     ap.add_argument("--profile", type=Path, help="py-spy each process over each window; summaries + raw stacks here")
@@ -330,7 +338,16 @@ def main() -> int:
         tokens = args.tokens if args.tokens != 64 else 2048
         model_dir = args.model_dir or prepare_model("chatml")
         apis = _list(args.api, APIS, "--api")
-        points = run_ceiling(model_dir, _levels(args), tokens, args.duration, args.readers, apis)
+        points = []
+        if args.against:
+            from benchmarks.pipeline.modes import checkout
+
+            say(f"the ceiling of commit {args.against} (--against), then of this checkout")
+            with checkout(args.against) as code:
+                points += run_ceiling(
+                    model_dir, _levels(args), tokens, args.duration, args.readers, apis, code, arm=f"at-{args.against}"
+                )
+        points += run_ceiling(model_dir, _levels(args), tokens, args.duration, args.readers, apis)
     else:
         where = f" on {args.device}" if args.engine == "hf" else ""
         say(f"run seed {args.run_seed} (--run-seed); engine {args.engine}{where}, dtype {engine_dtype(args.dtype)}")

@@ -5,10 +5,12 @@ prompt build after long histories), and the synthetic worker they start."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ import httpx
 from benchmarks.pipeline.clients import drive_tokentrail, sse
 from benchmarks.pipeline.conversation import MODEL, Workload
 from benchmarks.pipeline.measure import CpuMeter, Point, Role, tree_cpu_s
-from benchmarks.pipeline.stack import ENTRY, tokentrail_stack
+from benchmarks.pipeline.stack import ENTRY, ROOT, tokentrail_stack
 
 
 # ---- the synthetic engine (benchmark only) --------------------------------------------------------
@@ -209,19 +211,37 @@ def run_idle(model_dir: str, n: int) -> dict[str, Any]:
 
 
 def run_ceiling(
-    model_dir: str, levels: list[int], tokens: int, duration: float, readers: int, apis: list[str] | None = None
+    model_dir: str,
+    levels: list[int],
+    tokens: int,
+    duration: float,
+    readers: int,
+    apis: list[str] | None = None,
+    code: Path | None = None,
+    arm: str = "synthetic",
 ) -> list[Point]:
     """Single turns of exactly ``tokens`` tokens from the synthetic engine, through each of ``apis`` (the OA
-    flow with ``readers`` SSE readers per message; streamed chat completions, one reader per reply)."""
-    worker_cmd = [sys.executable, str(ENTRY), "--synthetic-worker", "--model-dir", model_dir,
+    flow with ``readers`` SSE readers per message; streamed chat completions, one reader per reply).
+    ``code``: another checkout whose server and worker (and its own synthetic worker) run instead."""
+    entry = code / "benchmarks" / "pipeline.py" if code is not None else ENTRY
+    worker_cmd = [sys.executable, str(entry), "--synthetic-worker", "--model-dir", model_dir,
                   "--capacity", str(max(levels))]  # fmt: skip
     workload = Workload("single", 1, "fixed", tokens)
     with tempfile.TemporaryDirectory(prefix="tt-ceiling-") as tmp:
         work = Path(tmp)
-        with tokentrail_stack(work, model_dir, max(levels), "hf", worker_cmd=worker_cmd) as stack:
+        with tokentrail_stack(work, model_dir, max(levels), "hf", worker_cmd=worker_cmd, code=code) as stack:
             meter = CpuMeter([Role("server", stack.pids["server"]), Role("worker", stack.pids["worker"])], client=True)
             return asyncio.run(
                 drive_tokentrail(
-                    "synthetic", stack.url, stack.user_key, meter, apis or ["oa"], [workload], levels, duration, readers
+                    arm, stack.url, stack.user_key, meter, apis or ["oa"], [workload], levels, duration, readers
                 )
             )
+
+
+@contextlib.contextmanager
+def checkout(ref: str) -> Iterator[Path]:
+    """The tree of commit ``ref`` of this repository in a temporary directory (``git archive``)."""
+    with tempfile.TemporaryDirectory(prefix="tt-against-") as tmp:
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref], capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        yield Path(tmp)

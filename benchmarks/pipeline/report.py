@@ -72,6 +72,14 @@ def ratios(points: Sequence[Point]) -> list[dict[str, Any]]:
             embedded = by.get(("embedded", key))
             if embedded and embedded["tokens_per_s"]:
                 row["x_embedded"] = _ratio(s["tokens_per_s"], embedded["tokens_per_s"])
+        if arm == "synthetic":  # the ceiling: against another commit measured in the same run (--against)
+            for (other, other_key), o in by.items():
+                if other.startswith("at-") and other_key == key and o["tokens_per_s"]:
+                    row[f"x_{other}"] = _ratio(s["tokens_per_s"], o["tokens_per_s"])
+                    if "server_cpu_ms_per_token" in s and o.get("server_cpu_ms_per_token"):
+                        row[f"server_cpu_x_{other}"] = _ratio(
+                            s["server_cpu_ms_per_token"], o["server_cpu_ms_per_token"]
+                        )
         out.append(row)
     return out
 

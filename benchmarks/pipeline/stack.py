@@ -20,6 +20,7 @@ from benchmarks.pipeline.measure import Point
 from tokentrail.launcher import answers, free_port, offers, spawn, stop, wait_ready
 
 ENTRY = Path(__file__).resolve().parent.parent / "pipeline.py"  # the command, for child processes
+ROOT = ENTRY.parent.parent  # this checkout
 MAX_MODEL_LEN = 2048
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 SYNTHETIC_FLAG = "--synthetic-tokentrail"  # this script as a tokentrail command with the step-clock engine
@@ -52,19 +53,19 @@ def tokentrail_stack(
     worker_cmd: list[str] | None = None,
     one_process: bool = False,
     engine_args: Sequence[str] = (),
+    code: Path | None = None,
 ) -> Iterator[Stack]:
     """A server process and a worker process (``worker_cmd``: another worker program); ``one_process``:
     ``tokentrail serve --model``, the worker inside the server's process (pids: the server only);
-    ``engine_args``: more of the worker's options (``--vllm-chunked-prefill``)."""
-    from server.admin import issue_user_key, issue_worker_key
-    from server.settings import ServerSettings
-
+    ``engine_args``: more of the worker's options (``--vllm-chunked-prefill``); ``code``: another checkout
+    of tokentrail whose server and worker run (its packages first on their ``PYTHONPATH``)."""
     data = work / "data"
     data.mkdir(exist_ok=True)
     env = {
         "TOKENTRAIL_DATA_DIR": str(data),
         "TOKENTRAIL_ALLOW_DEBUG_AUTH": "true",
         "TOKENTRAIL_RATE_LIMIT_PER_MINUTE": "0",  # a load generator, not a user to be slowed down
+        **({"PYTHONPATH": str(code)} if code is not None else {}),
         **(env or {}),
     }
     saved = {k: os.environ.get(k) for k in env}
@@ -84,8 +85,7 @@ def tokentrail_stack(
             up = spawn(["db", "upgrade"], output=work / "upgrade.log")
             if up.wait(timeout=300) != 0:
                 raise RuntimeError((work / "upgrade.log").read_text()[-3000:])
-        key = issue_worker_key(ServerSettings(migrate_on_start=True), "pipeline")
-        user_key = issue_user_key(ServerSettings(migrate_on_start=True), "pipeline-bench")
+        key, user_key = _issue_keys()  # by the code that serves (its migrations make the database)
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         serve = ["serve", "--port", str(port), "--log-level", "warning"]
@@ -118,6 +118,22 @@ def tokentrail_stack(
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+_ISSUE_KEYS = """
+import json
+from server.admin import issue_user_key, issue_worker_key
+from server.settings import ServerSettings
+settings = ServerSettings(migrate_on_start=True)
+print(json.dumps([issue_worker_key(settings, "pipeline"), issue_user_key(settings, "pipeline-bench")]))
+"""
+
+
+def _issue_keys() -> tuple[str, str]:
+    """A worker key and a user key, issued in a child process (``PYTHONPATH`` picks its code)."""
+    out = subprocess.run([sys.executable, "-c", _ISSUE_KEYS], capture_output=True, text=True, check=True)
+    worker_key, user_key = json.loads(out.stdout.strip().splitlines()[-1])
+    return str(worker_key), str(user_key)
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ from collections import deque
 from typing import Generic, TypeVar
 
 from shared.protocol import ServerFrame, WorkerFrame
+from shared.step_frames import TokensStep
 
 A = TypeVar("A")
 B = TypeVar("B")
@@ -108,7 +109,7 @@ def local_link(depth: int = DEFAULT_DEPTH) -> tuple[LocalEnd[A, B], LocalEnd[B, 
 
 # What travels between an in-process worker and its server: the worker sends one frame or the frames of
 # one engine step (FEATURE_BATCH), the server one frame at a time.
-FromWorker = WorkerFrame | list[WorkerFrame]
+FromWorker = WorkerFrame | list[WorkerFrame] | list[TokensStep]  # TokensStep: from a socket only
 ServerEnd = LocalEnd[ServerFrame, FromWorker]
 WorkerEnd = LocalEnd[FromWorker, ServerFrame]
 

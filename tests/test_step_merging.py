@@ -1,18 +1,21 @@
 """Work done once per step, not once per token per layer: the worker joins a message's tokens frames that
-wait behind a send (``merged_steps``), the hub and readers join runs of batches once (``concatenated``),
-and the hub checks a step's ids and logprobs with builtins (``token_problem``) — each the same as the
-per-token way it replaces."""
+wait behind a send (``merged_steps``), the server decodes a step's tokens frames with msgspec
+(``decode_step``), the hub and readers join runs of batches once (``concatenated``), and the hub checks a
+step's ids and logprobs with builtins (``token_problem``) — each the same as the way it replaces."""
 
 from __future__ import annotations
 
 import math
 
+import msgspec
+import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
 from server.streams.protocol import TokenBatch, concatenated
 from server.workers.ingest import token_problem
 from shared.protocol import HeartbeatFrame, TokensFrame, worker_batch_adapter
+from shared.step_frames import TokensStep, decode_step
 from worker.frames import StepTokens, merged_steps
 
 _SLACK = 1e-3
@@ -111,3 +114,41 @@ def test_the_step_checks_find_what_the_per_token_checks_find(
     ids: list[int], logprobs: list[float | None], vocab: int | None
 ) -> None:
     assert token_problem(ids, logprobs, vocab) == _reference_problem(ids, logprobs, vocab)
+
+
+def test_the_fast_tokens_frame_has_the_protocols_fields() -> None:
+    fields = {
+        name: (f.is_required(), None if f.is_required() else f.default)
+        for name, f in TokensFrame.model_fields.items()
+        if name != "type"
+    }
+    info = msgspec.inspect.type_info(TokensStep)
+    assert isinstance(info, msgspec.inspect.StructType)
+    fast = {f.name: (f.required, None if f.default is msgspec.NODEFAULT else f.default) for f in info.fields}
+    assert fast == fields
+
+
+_SCALARS = [None, 0, 1, -1, 2**40, 1.0, -0.5, True, "", "x", "1"]
+_JSON_VALUES = st.sampled_from([*_SCALARS, [], [1], [1.5], ["a"], [None], [[1, -0.5, "t"]], [[1, 0.5]], {}, {"a": 1}])
+_FIELDS = ("message_id", "attempt", "start", "token_ids", "logprobs", "texts", "channels", "top_logprobs",
+           "prompt_ids", "policy_version")  # fmt: skip
+
+
+@given(st.dictionaries(st.sampled_from([*_FIELDS, "extra"]), _JSON_VALUES), st.booleans())
+def test_what_the_fast_decoder_takes_pydantic_takes_the_same(fields: dict[str, object], tagged: bool) -> None:
+    valid = orjson.loads(_step("a", 3, [7, 8], top_logprobs=[[(7, -0.1, "x")], [(8, -0.2, "y")]]).json())
+    frame = {**valid, "type": "tokens" if tagged else "finished", **fields}  # a real frame, some fields changed
+    raw = orjson.dumps([frame])
+    fast = decode_step(raw)
+    if fast is None:
+        return  # left to pydantic (which may take it or refuse it)
+    slow = worker_batch_adapter.validate_json(raw)  # must not raise
+    assert len(fast) == len(slow) == 1 and isinstance(slow[0], TokensFrame)
+    assert {f: getattr(fast[0], f) for f in _FIELDS} == {f: getattr(slow[0], f) for f in _FIELDS}
+
+
+def test_steps_with_other_frames_or_bad_frames_go_to_pydantic() -> None:
+    good = _step("a", 0, [1, 2]).json()
+    assert decode_step(b"[" + good + b"]") is not None
+    for other in (b'{"type":"heartbeat"}', good.replace(b'"start":0', b'"start":-1'), good[:-1] + b',"x":1}'):
+        assert decode_step(b"[" + good + b"," + other + b"]") is None

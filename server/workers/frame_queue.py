@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
-from shared.protocol import WorkerFrame
+from shared.step_frames import StepFrame
 
 QUEUE_LIMIT = 4096  # frames held before the receive loop waits (memory bound when storage stalls)
 
@@ -24,7 +24,7 @@ QUEUE_LIMIT = 4096  # frames held before the receive loop waits (memory bound wh
 class FrameQueue:
     def __init__(self, limit: int = QUEUE_LIMIT) -> None:
         self.limit = limit
-        self._frames: list[WorkerFrame] = []
+        self._frames: list[StepFrame] = []
         self._wake = asyncio.Event()
         self._room = asyncio.Event()
         self._room.set()
@@ -33,7 +33,7 @@ class FrameQueue:
     def __len__(self) -> int:
         return len(self._frames)
 
-    async def put(self, frames: Iterable[WorkerFrame]) -> None:
+    async def put(self, frames: Iterable[StepFrame]) -> None:
         """Queue ``frames``; waits while the queue is full (the socket then backs up, as before)."""
         while len(self._frames) >= self.limit and not self._closed:
             self._room.clear()
@@ -47,7 +47,7 @@ class FrameQueue:
         self._wake.set()
         self._room.set()
 
-    async def take(self) -> list[WorkerFrame] | None:
+    async def take(self) -> list[StepFrame] | None:
         """Everything queued, in order (waiting for at least one frame); None once closed and empty."""
         while not self._frames:
             if self._closed:

@@ -85,6 +85,7 @@ from shared.protocol import (
     WelcomeFrame,
     WorkerFrame,
 )
+from shared.step_frames import StepFrame, Tokens, TokensStep
 
 log = logging.getLogger(__name__)
 
@@ -341,7 +342,7 @@ class WorkerHub:
                 continue
             conn.last_seen = time.monotonic()
             got = got if isinstance(got, list) else [got]  # a list: the frames of one engine step (FEATURE_BATCH)
-            stored: list[WorkerFrame] = []
+            stored: list[StepFrame] = []
             for frame in got:
                 # A credit read after an engine frame that the flusher has not handled yet waits behind
                 # it: a restarted engine's "ready" comes just before its credits, and a credit handled
@@ -361,10 +362,10 @@ class WorkerHub:
         """Store what the receive loop queued, everything at hand at once: the token frames in one
         append, then the ends they precede; another frame (an engine's state) after all before it."""
         while (taken := await frames.take()) is not None:
-            tokens: list[TokensFrame] = []
+            tokens: list[Tokens] = []
             ends: list[FinishedFrame | FailedFrame] = []
             for frame in taken:
-                if isinstance(frame, TokensFrame):
+                if isinstance(frame, TokensFrame | TokensStep):
                     if any(end.message_id == frame.message_id for end in ends):  # a new attempt's tokens
                         await self._store(conn, tokens, ends)
                         tokens, ends = [], []
@@ -382,7 +383,7 @@ class WorkerHub:
             await self._store(conn, tokens, ends)
 
     async def _store(
-        self, conn: WorkerConnection, tokens: list[TokensFrame], ends: list[FinishedFrame | FailedFrame]
+        self, conn: WorkerConnection, tokens: list[Tokens], ends: list[FinishedFrame | FailedFrame]
     ) -> None:
         if tokens:
             try:
@@ -615,10 +616,10 @@ class WorkerHub:
             return None
         return inflight
 
-    async def _on_tokens_many(self, conn: WorkerConnection, frames: list[TokensFrame]) -> None:
+    async def _on_tokens_many(self, conn: WorkerConnection, frames: list[Tokens]) -> None:
         """Append the frames' tokens in one round trip; a message's consecutive frames (engine steps
         queued while the previous append ran) become one batch, joined once."""
-        items: list[tuple[TokensFrame, InFlight, list[TokenBatch]]] = []
+        items: list[tuple[Tokens, InFlight, list[TokenBatch]]] = []
         last: dict[str, int] = {}  # message id -> index in items of its latest run of batches
         for f in frames:
             inflight = self._current(conn, f.message_id, f.attempt)

@@ -10,7 +10,8 @@ import math
 from typing import Any, cast
 
 from server.streams.protocol import TokenBatch, concatenated
-from shared.protocol import GenerationRecord, TokensFrame
+from shared.protocol import GenerationRecord
+from shared.step_frames import Tokens
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ def token_problem(ids: list[int], logprobs: list[float | None], vocab_size: int 
     return None
 
 
-def token_batch(frame: TokensFrame, streamed: int, vocab_size: int | None) -> TokenBatch | str | None:
+def token_batch(frame: Tokens, streamed: int, vocab_size: int | None) -> TokenBatch | str | None:
     """The stream batch of a tokens frame of current work (``streamed`` tokens so far), or what is
     wrong with the frame; None for an empty frame or one that follows a gap."""
     if not frame.token_ids:

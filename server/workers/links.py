@@ -13,6 +13,7 @@ from fastapi import WebSocket, WebSocketDisconnect
 from shared.errors import ErrorCode
 from shared.local_link import FromWorker, LinkClosed, ServerEnd, WorkerEnd
 from shared.protocol import ErrorFrame, ServerFrame, worker_batch_adapter, worker_frame_adapter
+from shared.step_frames import decode_step
 
 
 class WorkerLink(Protocol):
@@ -41,7 +42,8 @@ class SocketLink:
         except WebSocketDisconnect as exc:
             raise LinkClosed(exc.code, exc.reason or "") from exc
         if raw.startswith("["):  # a JSON array: the frames of one engine step (FEATURE_BATCH)
-            return worker_batch_adapter.validate_json(raw)
+            step = decode_step(raw)
+            return step if step is not None else worker_batch_adapter.validate_json(raw)
         return worker_frame_adapter.validate_json(raw)
 
     async def send(self, frame: ServerFrame) -> None:

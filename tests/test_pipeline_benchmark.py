@@ -220,3 +220,40 @@ def test_vllm_arms_run_the_dtype_of_tokentrails_worker() -> None:
 
     assert engine_dtype("bfloat16") == "bfloat16"
     assert engine_dtype(None) == inspect.signature(worker).parameters["dtype"].default == "float32"
+
+
+def test_own_cpu_of_synthetic_arms_is_checked_against_vllm_serves_api_server() -> None:
+    """``embedded-synthetic`` (the step clock, whatever ``--engine``) beside ``vllm-serve`` in one run: the
+    server's and worker's CPU per token together ÷ the API server's, against the target of half."""
+    from benchmarks.pipeline.measure import Point
+    from benchmarks.pipeline.report import checks, ratios
+
+    def point(arm: str, cpu: dict[str, float]) -> Point:
+        p = Point(arm, "openai", "single", "natural", 8, wall_s=10.0, tokens=1000, requests=10)
+        p.cpu_s = cpu
+        return p
+
+    serve = point("vllm-serve", {"vllm_api": 0.4, "engine_core": 1.0})
+    cheap = point("embedded-synthetic", {"server": 0.1, "worker": 0.08})
+    dear = point("one-process-synthetic", {"server": 0.3})
+    by_check = {c["check"]: c for c in checks([cheap, dear, serve], "vllm")}
+    mine = by_check["embedded-synthetic/openai own CPU ms/token ÷ vllm serve API server's"]
+    assert mine["value"] == pytest.approx(0.45) and mine["met"] is True
+    other = by_check["one-process-synthetic/openai own CPU ms/token ÷ vllm serve API server's"]
+    assert other["value"] == pytest.approx(0.75) and other["met"] is False
+    rows = {r["arm"]: r for r in ratios([cheap, dear, serve])}
+    assert rows["embedded-synthetic/openai"]["own_cpu_x_vllm_api_cpu"] == pytest.approx(0.45)
+    assert "x_vllm_serve" not in rows["embedded-synthetic/openai"]  # tokens/s of a step clock say nothing
+
+
+def test_ceiling_against_another_commit_runs_that_commits_code(tiny_model_dir: Path) -> None:
+    """``--against HEAD``: the same ceiling first on the tree of a commit (``git archive``), then here."""
+    data = _run(
+        "--model-dir", str(tiny_model_dir), "--ceiling", "--api", "openai", "--concurrency", "2",
+        "--duration", "1.5", "--tokens", "100", "--against", "HEAD",
+    )  # fmt: skip
+    points = {p["arm"]: p for p in data["points"]}
+    assert set(points) == {"at-HEAD/openai", "synthetic/openai"}
+    assert all(p["errors"] == 0 and p["tokens_per_s"] > 0 for p in points.values())
+    [row] = data["ratios"]
+    assert row["x_at-HEAD"] > 0 and row["server_cpu_x_at-HEAD"] > 0

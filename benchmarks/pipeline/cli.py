@@ -44,7 +44,7 @@ cached ÷ prompt tokens by turn; CPU ms per token of each process: the tokentrai
 process alone, the engine's child processes (vLLM's engine core and model runner), ``vllm serve``'s
 API-server process alone, the engine-alone process, the benchmark's own clients, PostgreSQL + Redis.
 Then the ratios (÷ the engine alone, ÷ ``vllm serve``, PostgreSQL + Redis ÷ embedded, server CPU ÷
-``vllm serve``'s API server, TTFT per turn ÷ ``vllm serve``'s) and issue 22's done-when comparisons.
+``vllm serve``'s API server, TTFT per turn ÷ ``vllm serve``'s) and the targets each point is checked against.
 
 ``--ceiling`` measures the pipeline without a model: a benchmark-only synthetic engine (in a worker
 process started by this script; not part of tokentrail) emits tokens as fast as the pipeline takes
@@ -89,7 +89,7 @@ from benchmarks.pipeline.stack import (
 from benchmarks.pipeline.synthetic import DEFAULT_STEP_MS, STEP_MS_ENV
 from benchmarks.progress import say
 
-ARMS = ("engine", "embedded", "one-process", "redis", "vllm-serve")
+ARMS = ("engine", "embedded", "one-process", "redis", "vllm-serve", "embedded-synthetic", "one-process-synthetic")
 APIS = ("oa", "openai")
 
 
@@ -159,6 +159,19 @@ def _run_arm(
     profiler: Profiler | None,
 ) -> list[Point]:
     """One arm's stack, started, measured at every point, stopped."""
+    if arm.endswith("-synthetic"):  # the arm with the step clock for its engine, whatever --engine says
+        points = _run_arm(
+            argparse.Namespace(**{**vars(args), "engine": "synthetic"}),
+            arm.removesuffix("-synthetic"),
+            apis,
+            loads,
+            model_dir,
+            sub,
+            profiler,
+        )
+        for p in points:
+            p.arm = arm
+        return points
     levels = _levels(args)
     engine_args = [*_engine_options(args), *args.engine_args]  # the worker's: --device, --dtype, then the user's
     if arm == "engine":

@@ -8,13 +8,18 @@ A test that requests one is skipped, with the reason, where the service is unava
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, ExitStack
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests import services
+
+if TYPE_CHECKING:
+    from server.settings import ServerSettings
 
 
 def _enter_or_skip(stack: ExitStack, service: AbstractContextManager[str]) -> str:
@@ -65,16 +70,60 @@ def embedded_stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Pat
     from worker.chat_format import ChatFormat
     from worker.engines.hf import HFEngine
 
-    settings = ServerSettings(data_dir=tmp_path_factory.mktemp("data"), port=free_port())
-    _SETTINGS["embedded"] = settings
-    server = ServerThread(settings).start()
-    fmt = ChatFormat.load(str(tiny_model_dir))
-    worker = WorkerThread(
-        server.url, worker_key(settings), MODEL, fmt, lambda: HFEngine(str(tiny_model_dir), max_batch_size=8)
-    ).start()
-    yield server.url
-    worker.stop()
-    server.stop()
+    processes = int(os.environ.get("TOKENTRAIL_TEST_SERVER_PROCESSES", "1"))
+    with ExitStack() as stack:
+        data = tmp_path_factory.mktemp("data")
+        if processes > 1:  # ``serve --processes N``: N processes share the port, SQLite and a Redis
+            redis = _enter_or_skip(stack, services.redis_service())
+            secret = "tests-serve-processes-secret-0123456789"  # every process signs alike
+            settings = ServerSettings(
+                data_dir=data, port=free_port(), redis_url=redis, auth_secret=secret, allow_debug_auth=True
+            )  # debug logins, as on embedded defaults
+            url = stack.enter_context(_served(settings, processes, tmp_path_factory.mktemp("logs")))
+        else:
+            settings = ServerSettings(data_dir=data, port=free_port())
+            server = ServerThread(settings).start()
+            stack.callback(server.stop)
+            url = server.url
+        _SETTINGS["embedded"] = settings
+        fmt = ChatFormat.load(str(tiny_model_dir))
+        worker = WorkerThread(
+            url, worker_key(settings), MODEL, fmt, lambda: HFEngine(str(tiny_model_dir), max_batch_size=8)
+        ).start()
+        stack.callback(worker.stop)
+        yield url
+
+
+@contextmanager
+def _served(settings: ServerSettings, processes: int, logs: Path) -> Iterator[str]:
+    """``tokentrail serve --processes N`` on the settings' data directory, port and Redis."""
+    import httpx
+
+    from tests.stack import wait_for
+    from tokentrail.launcher import spawn, stop
+
+    env = {
+        "TOKENTRAIL_DATA_DIR": str(settings.data_dir),
+        "TOKENTRAIL_REDIS_URL": str(settings.redis_url),
+        "TOKENTRAIL_AUTH_SECRET": str(settings.auth_secret),
+        "TOKENTRAIL_ALLOW_DEBUG_AUTH": str(settings.allow_debug_auth).lower(),
+    }
+    port = str(settings.port)
+    proc = spawn(["serve", "--port", port, "--processes", str(processes)], env=env, output=logs / "server.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def ready() -> bool:
+            assert proc.poll() is None, (logs / "server.log").read_text()[-3000:]
+            try:
+                return httpx.get(f"{url}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(ready, 60, "serve --processes")
+        yield url
+    finally:
+        stop(proc, "server")
 
 
 _SETTINGS: dict[str, object] = {}

@@ -17,7 +17,7 @@ PYTHON="${PYTHON:-python3}"
 
 # What `tokentrail serve` imports beyond vLLM's own dependencies (pyproject's server list).
 SERVER_DEPS=("sqlalchemy[asyncio]>=2.0.30" "aiosqlite>=0.20" "asyncpg>=0.29" "alembic>=1.13" "redis[hiredis]>=5.0"
-             "sse-starlette>=2.1" "pyjwt>=2.8" "prometheus-client>=0.20" "pydantic-settings>=2.3")
+             "sse-starlette>=2.1" "pyjwt>=2.8" "prometheus-client>=0.20" "pydantic-settings>=2.3" "msgspec>=0.18")
 SERVER_CHECK="import vllm, worker, server.app, aiosqlite, asyncpg, redis.asyncio, hiredis, alembic"
 
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "$SERVER_CHECK" >/dev/null 2>&1; then

@@ -12,8 +12,8 @@ import asyncio
 from collections import deque
 from typing import Generic, TypeVar
 
-from shared.protocol import ServerFrame, WorkerFrame
-from shared.step_frames import TokensStep
+from shared.protocol import ServerFrame
+from shared.step_frames import StepFrame
 
 A = TypeVar("A")
 B = TypeVar("B")
@@ -109,7 +109,7 @@ def local_link(depth: int = DEFAULT_DEPTH) -> tuple[LocalEnd[A, B], LocalEnd[B, 
 
 # What travels between an in-process worker and its server: the worker sends one frame or the frames of
 # one engine step (FEATURE_BATCH), the server one frame at a time.
-FromWorker = WorkerFrame | list[WorkerFrame] | list[TokensStep]  # TokensStep: from a socket only
+FromWorker = StepFrame | list[StepFrame]
 ServerEnd = LocalEnd[ServerFrame, FromWorker]
 WorkerEnd = LocalEnd[FromWorker, ServerFrame]
 

@@ -152,3 +152,16 @@ def test_steps_with_other_frames_or_bad_frames_go_to_pydantic() -> None:
     assert decode_step(b"[" + good + b"]") is not None
     for other in (b'{"type":"heartbeat"}', good.replace(b'"start":0', b'"start":-1'), good[:-1] + b',"x":1}'):
         assert decode_step(b"[" + good + b"," + other + b"]") is None
+
+
+def test_an_in_process_link_hands_the_server_every_field_of_a_step() -> None:
+    """``serve --model``: the worker's frame reaches the hub as the step decoder's struct, weights version
+    and all, exactly as its JSON would decode."""
+    frame = _step(
+        "a", 4, [7, 8], prompt_ids=[1, 2], policy_version=3, top_logprobs=[[(7, -0.1, "x")], [(8, -0.2, "y")]]
+    )
+    step = frame.step()
+    decoded = decode_step(b"[" + frame.json() + b"]")
+    assert decoded is not None
+    assert {f: getattr(step, f) for f in _FIELDS} == {f: getattr(decoded[0], f) for f in _FIELDS}
+    assert step.policy_version == 3 and step.prompt_ids == [1, 2]

@@ -22,9 +22,9 @@ from shared.protocol import (
     RpcResultFrame,
     ServerFrame,
     TokensFrame,
-    WorkerFrame,
     server_frame_adapter,
 )
+from shared.step_frames import StepFrame
 from worker.frames import StepTokens
 
 ToServer = (
@@ -84,23 +84,10 @@ class SocketChannel:
         await self.ws.close(code=code, reason=reason)
 
 
-def _frame(frame: ToServer) -> WorkerFrame:
-    # The step's tokens as the protocol model, unvalidated: built by this process's own pipeline, with
-    # the fields of TokensFrame (tests/test_frames.py checks they agree).
-    if isinstance(frame, StepTokens):
-        lps = frame.logprobs
-        return TokensFrame.model_construct(
-            message_id=frame.message_id,
-            attempt=frame.attempt,
-            start=frame.start,
-            token_ids=frame.token_ids,
-            logprobs=lps if isinstance(lps, list) else list(lps),
-            texts=frame.texts,
-            channels=frame.channels,
-            top_logprobs=frame.top_logprobs,
-            prompt_ids=frame.prompt_ids,
-        )
-    return frame
+def _frame(frame: ToServer) -> StepFrame:
+    # The step's tokens as the server's step decoder gives them, unvalidated: built by this process's own
+    # pipeline, with the fields of TokensFrame (tests/test_frames.py checks they agree).
+    return frame.step() if isinstance(frame, StepTokens) else frame
 
 
 class LocalChannel:

@@ -13,6 +13,7 @@ from typing import TypeVar, cast
 import orjson
 
 from shared.protocol import TokensFrame, TopLogprob
+from shared.step_frames import TokensStep
 
 F = TypeVar("F")
 
@@ -87,6 +88,22 @@ class StepTokens:
             self.channels += then.channels or ""
         if self.top_logprobs is not None:
             self.top_logprobs += then.top_logprobs or []
+
+    def step(self) -> TokensStep:
+        """The frame as the server's step decoder gives it (for an in-process link: no JSON, no pydantic)."""
+        lps = self.logprobs
+        return TokensStep(
+            message_id=self.message_id,
+            attempt=self.attempt,
+            start=self.start,
+            token_ids=self.token_ids,
+            logprobs=lps if isinstance(lps, list) else list(lps),
+            texts=self.texts,
+            channels=self.channels,
+            top_logprobs=self.top_logprobs,
+            prompt_ids=self.prompt_ids,
+            policy_version=self.policy_version,
+        )
 
     def frame(self) -> TokensFrame:
         """The validated protocol model (for tests and tools; the hot path sends ``json()``)."""

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, cast
 
 from fastapi import WebSocket, WebSocketDisconnect
 
 from shared.errors import ErrorCode
 from shared.local_link import FromWorker, LinkClosed, ServerEnd, WorkerEnd
 from shared.protocol import ErrorFrame, ServerFrame, worker_batch_adapter, worker_frame_adapter
-from shared.step_frames import decode_step
+from shared.step_frames import StepFrame, decode_step
 
 
 class WorkerLink(Protocol):
@@ -43,7 +43,9 @@ class SocketLink:
             raise LinkClosed(exc.code, exc.reason or "") from exc
         if raw.startswith("["):  # a JSON array: the frames of one engine step (FEATURE_BATCH)
             step = decode_step(raw)
-            return step if step is not None else worker_batch_adapter.validate_json(raw)
+            if step is not None:
+                return cast("list[StepFrame]", step)  # a list of one kind of them
+            return cast("list[StepFrame]", worker_batch_adapter.validate_json(raw))
         return worker_frame_adapter.validate_json(raw)
 
     async def send(self, frame: ServerFrame) -> None:

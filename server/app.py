@@ -35,6 +35,7 @@ from server.chats.path_cache import PathCache
 from server.db import create_engine, create_session_factory, ping
 from server.hot_sql import HotSql
 from server.metrics import Metrics
+from server.metrics_group import GroupMetrics, ProcessGroup
 from server.outages import RETRY_AFTER_S
 from server.queue.protocol import WorkerDirectory, WorkQueue
 from server.request_guard import RequestGuard
@@ -53,12 +54,19 @@ health_router = APIRouter(tags=["health"])
 
 @health_router.get("/metrics", include_in_schema=False)
 async def metrics(state: StateDep) -> Response:
-    """Prometheus text exposition of this process (server/metrics.py)."""
+    """Prometheus text exposition of this process (server/metrics.py), merged with the other processes'
+    of its ``serve --processes N`` (server/metrics_group.py)."""
+    text = await _own_metrics(state)
+    if state.group_metrics is not None:
+        text = await state.group_metrics.collect(text, state.metrics.scrape_errors.labels("group").inc)
+    return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+
+async def _own_metrics(state: AppState) -> bytes:
     hub = state.hub
-    text = await state.metrics.render(
+    return await state.metrics.render(
         hub.load(), hub.engines.down_by_model(), state.directory, state.queue, state.sessions
     )
-    return Response(text, media_type=CONTENT_TYPE_LATEST)
 
 
 @health_router.get("/health")
@@ -93,9 +101,12 @@ async def ready(state: StateDep) -> JSONResponse:
     return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-def create_app(settings: ServerSettings, local_worker: LocalWorker | None = None) -> FastAPI:
+def create_app(
+    settings: ServerSettings, local_worker: LocalWorker | None = None, group: ProcessGroup | None = None
+) -> FastAPI:
     """The app; with ``local_worker`` (``tokentrail serve --model``) that worker runs in this process, on
-    an in-memory link to the hub, next to any workers that connect by websocket."""
+    an in-memory link to the hub, next to any workers that connect by websocket; ``group``: this process
+    is one of a ``serve --processes N`` (its metrics are answered merged with theirs)."""
     from server.errors import install_error_handlers
 
     @asynccontextmanager
@@ -162,6 +173,10 @@ def create_app(settings: ServerSettings, local_worker: LocalWorker | None = None
             paths=paths,
             sql=sql,
         )
+        state: AppState = app.state.tt
+        if group is not None and redis is not None:
+            state.group_metrics = GroupMetrics(redis, group, hub.server_id, lambda: _own_metrics(state))
+            state.group_metrics.start()
         try:
             if local_worker is not None:
                 # before the sweep's first pass, which fails pending messages of models no worker offers
@@ -175,6 +190,8 @@ def create_app(settings: ServerSettings, local_worker: LocalWorker | None = None
             unfreeze_heap()
             if local_worker is not None:  # before the hub stops: work it hands back is requeued
                 await local_worker.stop(settings.local_drain_timeout_s)
+            if state.group_metrics is not None:
+                await state.group_metrics.stop()
             await hub.stop()
             await streams.close()
             await directory.close()

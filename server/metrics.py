@@ -4,7 +4,8 @@ Event metrics (latencies, tokens, finished messages, errors) are recorded where 
 per engine step at most, never per token. State metrics (queue depth, open messages, workers and
 their free slots) are read when scraped. Each process has its own registry: scrape every replica;
 series named ``tokentrail_cluster_*`` describe the whole cluster and are the same on every replica
-(take ``max``, not ``sum``).
+(take ``max``, not ``sum``). The processes of one ``serve --processes N`` share a port: a scrape of
+any of them answers for all of them (``server/metrics_group.py``).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -25,6 +26,7 @@ from multiprocessing.process import BaseProcess
 from types import FrameType
 
 from server import migrate
+from server.metrics_group import ProcessGroup
 from server.settings import ServerSettings
 from shared.logs import configure_logging, uvicorn_log_config
 
@@ -69,7 +71,7 @@ def _die_with(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _serve_one(settings: ServerSettings, log_level: str, log_format: str, parent: int) -> None:
+def _serve_one(settings: ServerSettings, log_level: str, log_format: str, parent: int, group: ProcessGroup) -> None:
     """One server process (the child's entry point)."""
     import uvicorn
 
@@ -78,7 +80,7 @@ def _serve_one(settings: ServerSettings, log_level: str, log_format: str, parent
     _die_with(parent)
     configure_logging(log_level, log_format)
     sock = _listen(settings.host, settings.port)
-    config = uvicorn.Config(create_app(settings), log_level=log_level, log_config=uvicorn_log_config())
+    config = uvicorn.Config(create_app(settings, group=group), log_level=log_level, log_config=uvicorn_log_config())
     uvicorn.Server(config).run(sockets=[sock])
 
 
@@ -91,11 +93,14 @@ def run_processes(settings: ServerSettings, processes: int, log_level: str, log_
     # every process signs and checks tokens with the same secret, and none migrates again
     shared = settings.model_copy(update={"migrate_on_start": False, "auth_secret": settings.resolved_auth_secret()})
     ctx = multiprocessing.get_context("spawn")
+    group = ProcessGroup(secrets.token_hex(6), processes)  # /metrics of any of them answers for all
     stopping = False
 
     def start(i: int) -> BaseProcess:
         proc = ctx.Process(
-            target=_serve_one, args=(shared, log_level, log_format, os.getpid()), name=f"tokentrail-server-{i}"
+            target=_serve_one,
+            args=(shared, log_level, log_format, os.getpid(), group),
+            name=f"tokentrail-server-{i}",
         )
         proc.start()
         return proc

@@ -15,6 +15,7 @@ from server.db import SessionFactory
 from server.export.feed import Cursors, FeedSignal
 from server.hot_sql import HotSql
 from server.metrics import Metrics
+from server.metrics_group import GroupMetrics
 from server.queue.protocol import WorkerDirectory, WorkQueue
 from server.settings import ServerSettings
 from server.streams.protocol import TokenStreams
@@ -45,6 +46,7 @@ class AppState:
     auth_cache: dict[str, tuple[float, User]] = field(default_factory=dict)  # token -> (expiry, user)
     feed: FeedSignal = field(default_factory=FeedSignal)  # wakes rollout-feed readers (GET /v1/rollouts)
     cursors: Cursors = field(init=False)  # signs and checks their cursors
+    group_metrics: GroupMetrics | None = None  # one of a ``serve --processes N``: /metrics merges theirs
 
     def __post_init__(self) -> None:
         self.cursors = Cursors(self.sessions)

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.stack import MODEL, start_reply
@@ -28,10 +26,6 @@ def value(samples: dict[Any, float], name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-@pytest.mark.skipif(
-    int(os.environ.get("TOKENTRAIL_TEST_SERVER_PROCESSES", "1")) > 1,
-    reason="a process's metrics count its own requests; with serve --processes a scrape reaches any one",
-)
 def test_metrics_follow_a_chat(embedded_stack: str) -> None:
     url = embedded_stack
     headers = login(url, "metrics-user")

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from prometheus_client import generate_latest
 
 from server.settings import ServerSettings
 from tests.stack import MODEL, wait_for, worker_key
@@ -180,3 +181,65 @@ def test_processes_that_cannot_start_end_the_server(redis_url: str, tmp_path: Pa
     finally:
         taken.close()
     assert out.returncode != 0 and "exited 3 times" in out.stderr, out.stderr[-3000:]
+
+
+def test_metrics_of_the_processes_are_merged_sums_and_shared_state_once() -> None:
+    """What any process of a ``serve --processes N`` answers on /metrics: each series added over the
+    processes, but shared state (``tokentrail_cluster_*``) taken once and ``_created`` the earliest."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from server.metrics import Metrics
+    from server.metrics_group import merged
+
+    a, b = Metrics(), Metrics()
+    a.errors.labels("chat_not_found").inc(2)
+    b.errors.labels("chat_not_found").inc(3)
+    b.errors.labels('odd "code"\n').inc()
+    a.ttft.labels("m").observe(0.02)
+    b.ttft.labels("m").observe(3.0)
+    a.sse_readers.set(4)
+    b.sse_readers.set(1)
+    a.cluster_workers.labels("m").set(2)
+    b.cluster_workers.labels("m").set(2)
+    text = merged([generate_latest(a.registry), generate_latest(b.registry)])
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text.decode())
+        for s in family.samples
+    }
+    assert samples[("tokentrail_errors_total", (("code", "chat_not_found"),))] == 5
+    assert samples[("tokentrail_errors_total", (("code", 'odd "code"\n'),))] == 1
+    assert samples[("tokentrail_ttft_seconds_count", (("model", "m"),))] == 2
+    assert samples[("tokentrail_ttft_seconds_sum", (("model", "m"),))] == pytest.approx(3.02)
+    assert samples[("tokentrail_ttft_seconds_bucket", (("le", "0.025"), ("model", "m")))] == 1
+    assert samples[("tokentrail_ttft_seconds_bucket", (("le", "+Inf"), ("model", "m")))] == 2
+    assert samples[("tokentrail_sse_readers", ())] == 5
+    assert samples[("tokentrail_cluster_workers", (("model", "m"),))] == 2
+    created = [v for (name, _), v in samples.items() if name == "tokentrail_errors_created"]
+    assert created and all(v > 0 for v in created)
+
+
+def test_metrics_of_either_process_count_the_requests_of_both(two_processes: tuple[str, Any]) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url, _ = two_processes
+    wait_for(lambda: len(_servers(url, 20)) == 2, 60, "both processes answering")
+
+    def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        text = httpx.get(f"{url}/metrics", timeout=10).text  # a connection of its own: either process
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    missing = ("tokentrail_errors_total", (("code", "chat_not_found"),))
+    before = scrape().get(missing, 0.0)
+    headers = login(url, "procs-metrics")
+    for _ in range(10):  # new connections: both processes answer some
+        assert httpx.get(f"{url}/chats/no-such-chat", headers=headers).status_code == 404
+    for _ in range(4):  # whichever process takes the scrape answers for both
+        after = scrape()
+        assert after.get(missing, 0.0) - before == 10
+        assert after[("tokentrail_workers_connected", (("model", MODEL),))] == 1  # held by one of them
+        assert after[("tokentrail_cluster_workers", (("model", MODEL),))] == 1

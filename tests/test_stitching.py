@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -233,3 +234,56 @@ def test_truncated_turn_gets_a_synthetic_closer(fmt: ChatFormat) -> None:
     if eos is not None and eos not in builder.shape.history_ends:
         odd = prior.model_copy(update={"completion_ids": [*cut.completion_ids, eos], "stop_reason": eos})
         assert builder.build(frame(msgs, odd)).synthetic_token_count == n
+
+
+def _uncached(fmt: ChatFormat) -> ChatFormat:
+    """The same format with empty caches, and its masked renders never kept."""
+    fresh = dataclasses.replace(fmt)
+    fresh.__dict__["_deterministic"] = False
+    return fresh
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(turns=st.lists(st.tuples(TEXT, TEXT), min_size=1, max_size=3), system=st.none() | TEXT, data=st.data())
+def test_kept_renders_and_template_ids_give_the_ids_of_a_fresh_render(
+    fmt: ChatFormat, turns: list[tuple[str, str]], system: str | None, data: st.DataObject
+) -> None:
+    """Masked renders and template-text ids are kept across prompts (the module's format has built many
+    by now); what comes out of them is what a format that keeps nothing builds, full renders and bridges."""
+    fresh = _uncached(fmt)
+    messages: list[WorkMessage] = [WorkMessage(id="sys", role="system", content=system)] if system else []
+    for i, (user, assistant) in enumerate(turns):
+        messages += [
+            WorkMessage(id=f"u{i}", role="user", content=user),
+            WorkMessage(id=f"a{i}", role="assistant", content=assistant),
+        ]
+    messages.append(WorkMessage(id="last", role="user", content=data.draw(TEXT)))
+    for _ in range(2):  # the second time from what the first kept
+        assert fmt.render(messages) == fresh.render(messages)
+        at = len(messages) - 1
+        kept, new = PromptBuilder(fmt).bridge(messages[:at], messages[at:], None)
+        assert (kept, new) == PromptBuilder(fresh).bridge(messages[:at], messages[at:], None)
+
+
+def test_templates_that_read_the_clock_are_rendered_every_time(tmp_path: Path) -> None:
+    template_file = tmp_path / "template.jinja"
+    template_file.write_text(
+        "{{ strftime_now('%Y') }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    path = build_tiny_model(tmp_path / "model", template="chatml", chat_template_file=template_file, train=False)
+    clock, plain = ChatFormat.load(str(path)), _uncached(ChatFormat.load(str(path)))
+    plain.__dict__["_deterministic"] = True  # the same template, as if it did not read the clock
+    messages = [WorkMessage(id="u", role="user", content="what year is it?")]
+    for fmt, renders in ((clock, 4), (plain, 3)):  # two masked renders and two real ones; one masked kept
+        calls: list[int] = []
+        render_text = fmt.render_text
+
+        def counted(*args: Any, render_text: Any = render_text, calls: list[int] = calls, **kwargs: Any) -> str:
+            calls.append(1)
+            text: str = render_text(*args, **kwargs)
+            return text
+
+        fmt.render_text = counted  # type: ignore[method-assign]
+        assert fmt.render(messages) == fmt.render(messages)
+        assert len(calls) == renders

@@ -21,6 +21,7 @@ a template's ``raise_exception`` becomes ``TemplateRejected`` with the template'
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import re
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import jinja2
+import orjson
 from transformers import AutoTokenizer
 
 from shared.protocol import WorkMessage
@@ -42,6 +44,10 @@ _PLACEHOLDER = "\ue002{}\ue003"
 _PLACEHOLDER_RE = re.compile("\ue002(\\d+)\ue003")
 _SPAN_RE = re.compile("\ue000tt(\\d+)\ue001|\ue002(\\d+)\ue003")
 _DELIMITERS = "\ue000-\ue005"  # a character class: sentinels, placeholders and probe locators
+_MASKED_CACHE_SIZE = 256  # masked renders kept (a few kB each, with their tool schemas)
+_TEMPLATE_IDS_CACHE_SIZE = 4096  # token ids of template text pieces kept
+_TEMPLATE_PIECE_CHARS = 512  # longer template text is encoded every time
+_UNCACHEABLE = re.compile(r"strftime_now|\brandom\b|\bnow\b")  # renders that change without their input
 
 
 class RenderError(Exception):
@@ -206,9 +212,22 @@ class ChatFormat:
         return _Escaper(self._escape_re)
 
     def encode_template_text(self, text: str) -> list[int]:
-        """Template text: special tokens in it are real control tokens."""
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
-        return ids
+        """Template text: special tokens in it are real control tokens. Kept by text: the template's
+        pieces around the messages (a turn's header, the generation prompt) recur in every prompt."""
+        if len(text) > _TEMPLATE_PIECE_CHARS:  # a whole escaped render, a long tool list: not a recurring piece
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        cache = self._template_ids
+        ids = cache.get(text)
+        if ids is None:
+            ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+            if len(cache) >= _TEMPLATE_IDS_CACHE_SIZE:
+                cache.clear()  # a new working set (another template shape) refills it
+            cache[text] = ids
+        return list(ids)
+
+    @functools.cached_property
+    def _template_ids(self) -> dict[str, tuple[int, ...]]:
+        return {}
 
     def encode_content(self, text: str) -> list[int]:
         """Message text: nothing in it can become a control or added token. Special tokens are split
@@ -399,7 +418,7 @@ class ChatFormat:
         def render(msgs: list[dict[str, Any]]) -> str:
             return self.render_text(msgs, add_generation_prompt=add_generation_prompt, tools=safe_tools)
 
-        text = render(masked)
+        text = self._masked_render(masked, add_generation_prompt, safe_tools, render)
         reference = render(real) if texts else text
         aligned = _align(text, texts, reference)
         if aligned is not None:
@@ -407,6 +426,41 @@ class ChatFormat:
         # The template rewrites message text beyond stripping: keep the text as it wrote it; escaped
         # control strings stay placeholders, so they are still encoded as plain text.
         return Rendered(reference, [], escaper.escapes, "escaped")
+
+    def _masked_render(
+        self,
+        masked: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None,
+        render: Callable[[list[dict[str, Any]]], str],
+    ) -> str:
+        """The masked render, from a cache: its input holds sentinels, not texts, so every later turn
+        of a given shape (a user message after an assistant turn, under one system prompt) renders the
+        same text, and only the real render (the check of the alignment) varies. Templates that read
+        the clock or draw at random are rendered every time."""
+        if not self._deterministic:
+            return render(masked)
+        try:
+            key = orjson.dumps([masked, tools, add_generation_prompt])
+        except TypeError:  # not plain JSON data (a non-string key): rendered as is
+            return render(masked)
+        cache = self._masked_cache
+        text = cache.pop(key, None)
+        if text is None:
+            text = render(masked)
+            if len(cache) >= _MASKED_CACHE_SIZE:
+                del cache[next(iter(cache))]  # the least recently used
+        cache[key] = text
+        return text
+
+    @functools.cached_property
+    def _masked_cache(self) -> dict[bytes, str]:
+        return {}
+
+    @functools.cached_property
+    def _deterministic(self) -> bool:
+        sources = [self.template] if isinstance(self.template, str) else list(self.template.values())
+        return not any(_UNCACHEABLE.search(source) for source in sources)
 
     def render(
         self,

@@ -138,3 +138,19 @@ def test_a_stop_string_across_steps_and_after_a_resume(fmt: ChatFormat) -> None:
     done = next(k for k in range(len(ids) + 1) if "two three" in fmt.tokenizer.decode(ids[:k]))
     assert len(tokens) == done - cut and isinstance(finished, FinishedFrame)
     assert finished.record.stop_reason == "two three" and finished.record.completion_ids == ids[:done]
+
+
+def test_a_reply_that_stops_inside_a_character_streams_the_text_it_stores(fmt: ChatFormat) -> None:
+    """Cut by its length inside a multi-byte character: the held-back bytes decode as U+FFFD, which the
+    last token's text carries, so the streamed texts are the stored text."""
+    ids = fmt.tokenizer.encode("Hello", add_special_tokens=False)
+    lead = fmt.tokenizer.convert_tokens_to_ids("Ã")  # the byte 0xC3 alone: the first byte of "é"
+    assert fmt.tokenizer.decode([lead]) == "\ufffd"
+    engine = ScriptedEngine([TokenStep(ids, [-0.5] * len(ids)), TokenStep([lead], [-1.0], finish_reason="length")])
+    *tokens, finished = run(engine, fmt, work())
+    assert isinstance(finished, FinishedFrame)
+    streamed = [text for step in tokens if isinstance(step, StepTokens) for text in step.texts]
+    assert streamed[-1] == "\ufffd"
+    record = finished.record
+    assert "".join(streamed) == record.completion_text == "Hello\ufffd"
+    assert record.text_offsets[-1] == len(record.completion_text)

@@ -17,8 +17,10 @@ import httpx
 import orjson
 import pytest
 from prometheus_client import generate_latest
+from transformers import AutoTokenizer
 
 from server.settings import ServerSettings
+from server.workers.ingest import without_nul
 from tests.stack import MODEL, wait_for, worker_key
 from tests.test_e2e_embedded import events, login
 from tokentrail.launcher import free_port, spawn
@@ -95,8 +97,11 @@ def test_connections_land_on_both_processes(two_processes: tuple[str, Any]) -> N
     assert len(_servers(url)) == 2
 
 
-def test_chats_and_streams_come_out_whole_through_either_process(two_processes: tuple[str, Any]) -> None:
+def test_chats_and_streams_come_out_whole_through_either_process(
+    two_processes: tuple[str, Any], tiny_model_dir: Path
+) -> None:
     url, _ = two_processes
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     headers = login(url, "procs")
     for i in range(6):  # new connections: the kernel spreads them over the processes
         chat = httpx.post(f"{url}/chats", json={}, headers=headers).json()["id"]
@@ -105,11 +110,18 @@ def test_chats_and_streams_come_out_whole_through_either_process(two_processes: 
         ask = {"parent_id": prompt, "model_config_name": MODEL, "sampling_parameters": {"max_new_tokens": 8}}
         reply = httpx.post(f"{url}/chats/{chat}/assistant_message", json=ask, headers=headers)
         assert reply.status_code == 200, reply.text
-        evs = events(url, f"/chats/{chat}/messages/{reply.json()['id']}/events", headers)
+        path = f"/chats/{chat}/messages/{reply.json()['id']}/events"
+        evs = events(url, path, headers)
         assert evs[-1]["event_type"] == "message", evs[-1]
-        streamed = "".join(e["text"] for e in evs if e["event_type"] == "token")
-        # the stored text drops a leading space, and ends in U+FFFD where the reply stopped inside a character
-        assert streamed and evs[-1]["message"]["content"].startswith(streamed.strip())
+        streamed = [(e["token_id"], e["text"]) for e in evs if e["event_type"] == "token"]
+        # read again once stored, on whichever process answers; and the stored ids' text
+        again = events(url, path, headers)
+        assert streamed and streamed == [(e["token_id"], e["text"]) for e in again if e["event_type"] == "token"]
+        stored = httpx.get(f"{url}{path.removesuffix('/events')}?include=tokens", headers=headers).json()
+        assert [t for t, _ in streamed] == stored["completion_token_ids"]
+        decoded = str(tokenizer.decode(stored["completion_token_ids"], skip_special_tokens=True))
+        full = without_nul(decoded)
+        assert "".join(text for _, text in streamed) == full  # a character the reply stopped inside of too
 
         body = {"model": MODEL, "messages": [{"role": "user", "content": f"stream {i}"}], "stream": True,
                 "max_tokens": 8}  # fmt: skip

@@ -186,6 +186,10 @@ class Generation:
                     break
         else:
             texts = [add(tid) for tid in step_ids]
+        if step.finish_reason is not None and texts:
+            # the reply ends here: what the detokenizer holds back (a character the reply stopped inside
+            # of, decoded as U+FFFD) goes with the last token, so readers get the text that is stored
+            texts[-1] += self.detok.flush()
         offsets = self.offsets
         end = offsets[-1] if offsets else 0
         for piece in texts:

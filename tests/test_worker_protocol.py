@@ -127,7 +127,8 @@ def test_lost_worker_is_resumed_by_another_in_one_stream(
     first = WorkerThread(server.url, key, MODEL, fmt, lambda: SlowEngine(HFEngine(str(tiny_model_dir)), 0.05)).start()
     headers = login(server.url, "resume")
     chat_id = httpx.post(f"{server.url}/chats", json={}, headers=headers).json()["id"]
-    _, reply = turn(server.url, headers, chat_id, None, "go on", max_new_tokens=60, stop_token_ids=[])
+    # ignore_eos: the 60 tokens run to their length (a sampled end token would end the reply early)
+    _, reply = turn(server.url, headers, chat_id, None, "go on", max_new_tokens=60, stop_token_ids=[], ignore_eos=True)
     path = f"/chats/{chat_id}/messages/{reply['id']}/events"
     seen: list[dict[str, Any]] = []
 

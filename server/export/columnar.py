@@ -94,55 +94,34 @@ def _scalars(struct: Any, skip: frozenset[str] = _ARRAY_FIELDS) -> tuple[list[st
 
 
 _ROLLOUT_PLAIN, _ROLLOUT_JSON = _scalars(ROLLOUT_SCHEMA)
-_TURN_ARRAYS = ("prompt_delta_ids", "completion_ids", "logprobs", "synthetic_closer_ids")
 _SAMPLE_ARRAYS = ("token_ids", "loss_mask", "logprobs", "policy_versions")
 _TURN_PLAIN, _TURN_JSON = _scalars(TURN_TYPE)
 _SAMPLE_PLAIN, _ = _scalars(SAMPLE_TYPE)
 
 
 class RolloutColumns:
-    """Gathers rollouts (``add``, each as soon as it is built) into a record batch (``batch``): per
-    column a list of values, or of numpy arrays joined at the end, with each row's length."""
+    """Gathers rollouts (``add``, each as soon as it is built) into a record batch (``batch``): the
+    rollouts and their turns are kept as they are and read a column at a time at the end; a sample's
+    token fields are gathered as it is added (numpy arrays joined at the end, and runs)."""
 
     def __init__(self) -> None:
-        # the values of each level's fields: rollouts', turns' and samples' (some names are on two levels)
-        self.values: dict[str, list[Any]] = {name: [] for name in (*_ROLLOUT_PLAIN, *_ROLLOUT_JSON)}
-        self.turn_values: dict[str, list[Any]] = {name: [] for name in (*_TURN_PLAIN, *_TURN_JSON)}
+        self.rollouts: list[dict[str, Any]] = []
+        self.turns: list[dict[str, Any]] = []
         self.sample_values: dict[str, list[Any]] = {name: [] for name in (*_SAMPLE_PLAIN, "turn_spans")}
-        # a list column's arrays (joined at the end) and each row's length
-        self.turn_arrays: dict[str, list[Any]] = {name: [] for name in _TURN_ARRAYS}
-        self.lengths: dict[str, list[int]] = {name: [] for name in (*_TURN_ARRAYS, "turns", "samples")}
         self.sample_lengths: dict[str, list[int]] = {name: [] for name in _SAMPLE_ARRAYS}
-        self.turn_spans: list[list[list[int]]] = []
+        self.samples: list[int] = []  # each rollout's number of samples
         self.sample_ids: list[Any] = []  # a sample's ids: its turns' prompt deltas and completions
         self.sample_logprobs: list[Any] = []
         self.mask_runs: tuple[list[int], list[int]] = ([], [])  # (value, count) runs
         self.version_runs: tuple[list[int], list[int]] = ([], [])
 
     def add(self, rollout: dict[str, Any]) -> None:
-        values = self.values
-        for name in _ROLLOUT_PLAIN:
-            values[name].append(rollout[name])
-        for name in _ROLLOUT_JSON:
-            values[name].append(orjson.dumps(rollout[name]))  # the UTF-8 of the JSON text
+        self.rollouts.append(rollout)
         turns, samples = rollout["turns"], rollout["samples"]
-        self.lengths["turns"].append(len(turns))
-        self.lengths["samples"].append(len(samples))
-        for turn in turns:
-            self._add_turn(turn)
+        self.turns += turns
+        self.samples.append(len(samples))
         for sample in samples:
             self._add_sample(turns, sample)
-
-    def _add_turn(self, turn: dict[str, Any]) -> None:
-        values = self.turn_values
-        for name in _TURN_PLAIN:
-            values[name].append(turn[name])
-        for name in _TURN_JSON:
-            values[name].append(orjson.dumps(turn[name]))
-        for name, parts in self.turn_arrays.items():
-            parts.append(turn[name])
-            self.lengths[name].append(len(turn[name]))
-        self.turn_spans.append(turn["policy_versions"])
 
     def _add_sample(self, turns: list[dict[str, Any]], sample: dict[str, Any]) -> None:
         for name in (*_SAMPLE_PLAIN, "turn_spans"):
@@ -177,19 +156,26 @@ class RolloutColumns:
 
     def batch(self) -> pa.RecordBatch:
         """The rollouts added so far as one record batch of ``ROLLOUT_SCHEMA``."""
-        columns = {name: column(self.values[name], ROLLOUT_SCHEMA.field(name).type) for name in self.values}
-        columns["turns"] = lists(self.lengths["turns"], self._turn_structs())
-        columns["samples"] = lists(self.lengths["samples"], self._sample_structs())
+        rollouts, schema = self.rollouts, ROLLOUT_SCHEMA
+        columns = {name: column([r[name] for r in rollouts], schema.field(name).type) for name in _ROLLOUT_PLAIN}
+        for name in _ROLLOUT_JSON:  # the UTF-8 of the JSON text
+            columns[name] = column([orjson.dumps(r[name]) for r in rollouts], _JSON)
+        columns["turns"] = lists([len(r["turns"]) for r in rollouts], self._turn_structs())
+        columns["samples"] = lists(self.samples, self._sample_structs())
         return pa.RecordBatch.from_arrays([columns[f.name] for f in ROLLOUT_SCHEMA], schema=ROLLOUT_SCHEMA)
 
     def _turn_structs(self) -> pa.StructArray:
-        arrays, lengths = self.turn_arrays, self.lengths
-        children = {name: column(values, TURN_TYPE.field(name).type) for name, values in self.turn_values.items()}
+        turns = self.turns
+        children = {name: column([t[name] for t in turns], TURN_TYPE.field(name).type) for name in _TURN_PLAIN}
+        for name in _TURN_JSON:
+            children[name] = column([orjson.dumps(t[name]) for t in turns], _JSON)
         for name in ("prompt_delta_ids", "completion_ids", "synthetic_closer_ids"):
-            children[name] = _ids(lengths[name], arrays[name])
-        logprobs = _joined(arrays["logprobs"], np.float32)
-        children["logprobs"] = lists(lengths["logprobs"], primitive(logprobs, pa.float32(), np.isfinite(logprobs)))
-        children["policy_versions"] = column(self.turn_spans, _SPANS)
+            arrays = [t[name] for t in turns]
+            children[name] = _ids([len(a) for a in arrays], arrays)
+        arrays = [t["logprobs"] for t in turns]
+        logprobs = _joined(arrays, np.float32)
+        children["logprobs"] = lists([len(a) for a in arrays], primitive(logprobs, pa.float32(), np.isfinite(logprobs)))
+        children["policy_versions"] = column([t["policy_versions"] for t in turns], _SPANS)
         return pa.StructArray.from_arrays([children[f.name] for f in TURN_TYPE], fields=list(TURN_TYPE))
 
     def _sample_structs(self) -> pa.StructArray:

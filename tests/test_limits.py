@@ -250,9 +250,12 @@ def test_rate_limiter_allows_the_burst_then_the_rate(backend: str, request: pyte
         try:
             limiter = RateLimiter(per_minute=600, burst=4, redis=redis)  # one per 100 ms
             user = f"u-{time.monotonic_ns()}"
+            start = time.monotonic()
             waits = [await limiter.wait_ms(user) for _ in range(5)]
             await asyncio.sleep(0.25)
-            waits += [await limiter.wait_ms(user) for _ in range(3)]
+            waits += [await limiter.wait_ms(user) for _ in range(2)]
+            eighth_at.append(time.monotonic() - start)
+            waits.append(await limiter.wait_ms(user))
             waits.append(await limiter.wait_ms(f"{user}-other", cost=4))
             waits.append(await limiter.wait_ms(f"{user}-big", cost=5))
             return waits
@@ -260,10 +263,14 @@ def test_rate_limiter_allows_the_burst_then_the_rate(backend: str, request: pyte
             if redis is not None:
                 await redis.aclose()
 
+    eighth_at: list[float] = []
     waits = asyncio.run(run())
     assert waits[:4] == [0, 0, 0, 0]  # the burst
     assert 0 < waits[4] <= 100  # the fifth waits for the next slot
-    assert waits[5:7] == [0, 0] and waits[7] > 0  # 250 ms later: two more slots
+    assert waits[5:7] == [0, 0]  # 250 ms later: two more slots
+    # a third one frees 300 ms after the start: a busy machine (a parallel test run) may get there first
+    if eighth_at[0] < 0.29:
+        assert waits[7] > 0
     assert waits[8] == 0  # another user has a budget of its own
     assert waits[9] == 0  # a request larger than the burst takes all of it (it would never fit)
 

@@ -17,8 +17,10 @@ import orjson
 import pyarrow as pa
 
 from server.export.arrays import column, lists, primitive
+from server.export.page_rollouts import PageRollouts, PageTurns, rollout_heads, scalar_columns
+from server.export.query import Decoders
 from server.export.rollouts import TO_FILL
-from shared.rollout import NO_VERSION, token_versions
+from shared.rollout import NO_VERSION, SCHEMA_NAME, SCHEMA_VERSION, token_versions
 
 _IDS = pa.list_(pa.int32())
 _LOGPROBS = pa.list_(pa.float32())
@@ -219,3 +221,86 @@ def _version_runs(spans: list[list[int]], n: int, values: list[int], counts: lis
     per_token = token_versions(spans, n)
     values.extend(per_token)
     counts.extend([1] * n)
+
+
+def page_batch(page: PageRollouts, dec: Decoders, reward_rule: str) -> pa.RecordBatch:
+    """A page's rollouts (``page_rollouts``) as the record batch ``RolloutColumns`` makes of them: each
+    distinct turn's fields once, from the page's joined token arrays, then taken for each rollout."""
+    turns, n = page.turns, len(page)
+    heads = rollout_heads(page)
+    tools = heads.pop("tools")
+    columns = {name: column(values, ROLLOUT_SCHEMA.field(name).type) for name, values in heads.items()}
+    columns["tools"] = column([orjson.dumps(t) for t in tools], _JSON)
+    columns["policy_paths"] = column([orjson.dumps(p) for p in page.policy_paths], _JSON)
+    columns["schema"] = column([SCHEMA_NAME] * n, pa.string())
+    columns["schema_version"] = column([SCHEMA_VERSION] * n, pa.int64())
+    columns["reward"] = column(page.rewards, pa.float64())
+    columns["reward_rule"] = column([reward_rule] * n, pa.string())
+    columns["complete"] = column(page.completes, pa.bool_())
+    structs = _page_turn_structs(turns, dec)
+    order = [k for ks in page.turn_lists for k in ks]
+    if order != list(range(len(turns))):  # a turn in several rollouts (branches share their prefix)
+        structs = structs.take(pa.array(order, pa.int64()))
+    columns["turns"] = lists([len(ks) for ks in page.turn_lists], structs)
+    columns["samples"] = lists([len(g) for g in page.groups], _page_sample_structs(page))
+    return pa.RecordBatch.from_arrays([columns[f.name] for f in ROLLOUT_SCHEMA], schema=ROLLOUT_SCHEMA)
+
+
+def _page_turn_structs(turns: PageTurns, dec: Decoders) -> pa.StructArray:
+    n = len(turns)
+    values = scalar_columns(turns, dec)
+    children = {name: column(values[name], TURN_TYPE.field(name).type) for name in _TURN_PLAIN}
+    for name in _TURN_JSON:
+        children[name] = column([orjson.dumps(v) for v in values[name]], _JSON)
+    children["policy_versions"] = column(values["policy_versions"], _SPANS)
+    completion_lengths = np.diff(turns.completion_offsets)
+    children["completion_ids"] = lists(completion_lengths, primitive(turns.completions, pa.int32()))
+    finite = np.isfinite(turns.logprobs)
+    children["logprobs"] = lists(completion_lengths, primitive(turns.logprobs, pa.float32(), finite))
+    deltas = [turns.delta(k) for k in range(n)]
+    children["prompt_delta_ids"] = _ids([len(d) for d in deltas], deltas)
+    closers = [turns.closer(k) for k in range(n)]
+    children["synthetic_closer_ids"] = _ids([len(c) for c in closers], closers)
+    return pa.StructArray.from_arrays([children[f.name] for f in TURN_TYPE], fields=list(TURN_TYPE))
+
+
+def _page_sample_structs(page: PageRollouts) -> pa.StructArray:
+    turns = page.turns
+    sampling_temps = [
+        1.0 if (t := (w.get("sampling_parameters") or {}).get("temperature")) is None else float(t) for w in turns.works
+    ]
+    values: dict[str, list[Any]] = {"prompt_length": [], "turn_spans": [], "turn_indices": [], "temperatures": []}
+    ids: list[Any] = []
+    logprobs: list[Any] = []
+    mask_runs: tuple[list[int], list[int]] = ([], [])
+    version_runs: tuple[list[int], list[int]] = ([], [])
+    lengths: list[int] = []
+    for r, ks in enumerate(page.turn_lists):
+        for group in page.groups[r]:
+            spans: list[tuple[int, int]] = []
+            end = 0
+            for i in group:
+                k = ks[i]
+                delta, completion = turns.delta(k), turns.completion(k)
+                ids += (delta, completion)
+                logprobs += (_zeros(len(delta)), turns.turn_logprobs(k))
+                mask_runs[0].extend((0, 1))
+                mask_runs[1].extend((len(delta), len(completion)))
+                version_runs[0].append(NO_VERSION)
+                version_runs[1].append(len(delta))
+                _version_runs(turns.spans[k], len(completion), *version_runs)
+                start = end + len(delta)
+                end = start + len(completion)
+                spans.append((start, end))
+            lengths.append(end)
+            values["prompt_length"].append(spans[0][0])
+            values["turn_spans"].append(spans)
+            values["turn_indices"].append(group)
+            values["temperatures"].append([sampling_temps[ks[i]] for i in group])
+    children = {name: column(v, SAMPLE_TYPE.field(name).type) for name, v in values.items()}
+    children["token_ids"] = _ids(lengths, ids)
+    joined = _joined(logprobs, np.float32)
+    children["logprobs"] = lists(lengths, primitive(np.where(np.isfinite(joined), joined, np.float32(0)), pa.float32()))
+    for name, (runs, counts) in (("loss_mask", mask_runs), ("policy_versions", version_runs)):
+        children[name] = lists(lengths, primitive(np.repeat(np.asarray(runs, np.int32), counts), pa.int32()))
+    return pa.StructArray.from_arrays([children[f.name] for f in SAMPLE_TYPE], fields=list(SAMPLE_TYPE))

@@ -96,3 +96,13 @@ def _versions_text(spans: list[list[int]], n: int) -> bytes:
 
 def _array(items: list[bytes]) -> Fragment:
     return Fragment(b"[%b]" % b",".join([i for i in items if i]))
+
+
+def version_runs(spans: list[list[int]], n: int, values: list[int], counts: list[int]) -> None:
+    """A turn's per-token versions (``token_versions``) as (version, count) runs."""
+    if len(spans) == 1 and not spans[0][0]:  # one version for the whole completion: the usual case
+        values.append(spans[0][1])
+        counts.append(n)
+        return
+    values.extend(token_versions(spans, n))
+    counts.extend([1] * n)

@@ -24,13 +24,13 @@ import struct
 import sys
 import threading
 import traceback
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from server.export.page_rollouts import Chat
 from server.export.pages import Connection, PageQueries, connect, page_bounds, page_chats
-from server.export.query import ExportFilters, PolicyPaths
-from server.export.rollouts import rows_rollout_parts
+from server.export.query import Decoders, ExportFilters, PolicyPaths
 from server.export.writers import PageWriter
 
 CHATS_PER_PAGE = 250  # the unit of work of a worker, and of the Parquet writer (a row group)
@@ -38,10 +38,12 @@ MAX_WORKERS = 4  # past a few, the database rather than Python sets the pace
 
 
 class Encoder(Protocol):
-    """Turns a page's rollouts (``path_rollout_parts``) into bytes that its ``PageWriter`` takes."""
+    """Turns a page's chats into rollouts, and those into bytes that its ``PageWriter`` takes."""
 
-    def add(self, rollout: dict[str, Any]) -> int:
-        """Encode one rollout; returns the number of records it makes."""
+    def add_chats(
+        self, chats: Sequence[Chat], filters: ExportFilters, dec: Decoders, paths: PolicyPaths
+    ) -> tuple[int, int]:
+        """Build and encode the rollouts of ``chats`` (``page_chats``); returns (rollouts, records)."""
         ...
 
     def payload(self) -> list[Any]:
@@ -112,15 +114,9 @@ async def _inline(job: Job, bounds: list[tuple[str, str]], writer: PageWriter) -
 
 async def _encode_page(job: Job, conn: Connection, after: str, last: str) -> Page:
     encoder = job.encoder()
-    chats = rollouts = records = 0
-    dec = job.queries.decoders
-    async for chat_id, user_id, msgs, tokens in page_chats(conn, job.queries, after, last):
-        chats += 1
-        # each rollout is encoded as soon as it is built, while its arrays are in the CPU's caches
-        for rollout in rows_rollout_parts(chat_id, user_id, msgs, tokens, job.filters, dec, job.paths):
-            records += encoder.add(rollout)
-            rollouts += 1
-    return Page(chats, rollouts, records, encoder.payload())
+    chats = [chat async for chat in page_chats(conn, job.queries, after, last)]
+    rollouts, records = encoder.add_chats(chats, job.filters, job.queries.decoders, job.paths)
+    return Page(len(chats), rollouts, records, encoder.payload())
 
 
 # A frame on a worker's pipe: kind, chats, rollouts, records, payload length; then the payload.

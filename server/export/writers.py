@@ -16,7 +16,7 @@ import os
 import pickle
 import stat
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, BinaryIO, Protocol
@@ -24,7 +24,10 @@ from typing import Any, BinaryIO, Protocol
 import orjson
 
 from server.export.jsonl import rollout_line
-from server.export.rollouts import fill_plain
+from server.export.page_jsonl import page_lines
+from server.export.page_rollouts import Chat, page_rollouts
+from server.export.query import Decoders, ExportFilters, PolicyPaths
+from server.export.rollouts import fill_plain, rows_rollout_parts
 from shared.rollout import SCHEMA_NAME
 
 
@@ -183,13 +186,40 @@ def _jsonify(value: Any, keys: frozenset[str]) -> Any:
 _CONTAINERS = (dict, list)
 
 
-class LinesEncoder:
-    """Rollouts as JSON lines: native ones by ``rollout_line``, others as the records of their trainer
-    schema (``adapt``)."""
+class _PerRollout:
+    """An encoder that takes the rollouts of ``rows_rollout_parts`` one at a time (``add``)."""
+
+    def add(self, rollout: dict[str, Any]) -> int:
+        raise NotImplementedError
+
+    def add_chats(
+        self, chats: Sequence[Chat], filters: ExportFilters, dec: Decoders, paths: PolicyPaths
+    ) -> tuple[int, int]:
+        rollouts = records = 0
+        for chat in chats:
+            # each rollout is encoded as soon as it is built, while its arrays are in the CPU's caches
+            for rollout in rows_rollout_parts(*chat, filters, dec, paths):
+                records += self.add(rollout)
+                rollouts += 1
+        return rollouts, records
+
+
+class LinesEncoder(_PerRollout):
+    """Rollouts as JSON lines: native ones a page at a time (``page_rollouts``, ``page_lines``), else
+    by ``rollout_line``; others as the records of their trainer schema (``adapt``)."""
 
     def __init__(self, schema: str) -> None:
         self.schema = schema
         self.lines: list[bytes] = []
+
+    def add_chats(
+        self, chats: Sequence[Chat], filters: ExportFilters, dec: Decoders, paths: PolicyPaths
+    ) -> tuple[int, int]:
+        page = page_rollouts(chats, filters, dec, paths) if self.schema == SCHEMA_NAME else None
+        if page is None:  # a trainer schema, or a turn without a logprob per token
+            return super().add_chats(chats, filters, dec, paths)
+        self.lines += page_lines(page, dec, filters.reward_rule)
+        return len(page), len(page)
 
     def add(self, rollout: dict[str, Any]) -> int:
         if self.schema == SCHEMA_NAME:
@@ -205,7 +235,7 @@ class LinesEncoder:
         return self.lines
 
 
-class RecordsEncoder:
+class RecordsEncoder(_PerRollout):
     """The records of a trainer schema, pickled for ``ParquetWriter.write_page``."""
 
     def __init__(self, schema: str) -> None:
@@ -223,15 +253,30 @@ class RecordsEncoder:
         return [pickle.dumps(self.records, protocol=pickle.HIGHEST_PROTOCOL)]
 
 
-class ArrowEncoder:
+class ArrowEncoder(_PerRollout):
     """Native rollouts as an Arrow record batch (``server/export/columnar.py``), as one IPC message."""
 
     def __init__(self) -> None:
         from server.export.columnar import RolloutColumns
 
         self.columns = RolloutColumns()
+        self.page: Any = None  # a page built at once (``page_batch``)
+
+    def add_chats(
+        self, chats: Sequence[Chat], filters: ExportFilters, dec: Decoders, paths: PolicyPaths
+    ) -> tuple[int, int]:
+        """One page's chats (an encoder per page: ``server/export/parallel.py``)."""
+        from server.export.columnar import page_batch
+
+        page = page_rollouts(chats, filters, dec, paths)
+        if page is None or self.page is not None or self.columns.rollouts:  # a turn without a logprob per token
+            return super().add_chats(chats, filters, dec, paths)
+        self.page = page_batch(page, dec, filters.reward_rule)
+        return len(page), len(page)
 
     def add(self, rollout: dict[str, Any]) -> int:
+        if self.page is not None:  # what came first stays first
+            raise RuntimeError("ArrowEncoder: a rollout added after a page")
         self.columns.add(rollout)
         return 1
 
@@ -239,8 +284,9 @@ class ArrowEncoder:
         """The rollouts added (the encoder starts again empty)."""
         from server.export.columnar import RolloutColumns
 
-        message = self.columns.batch().serialize()  # an Arrow buffer: bytes-like
-        self.columns = RolloutColumns()
+        batch = self.page if self.page is not None else self.columns.batch()
+        message = batch.serialize()  # an Arrow buffer: bytes-like
+        self.columns, self.page = RolloutColumns(), None
         _release_arrow_memory()
         return [message]
 

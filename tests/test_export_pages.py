@@ -1,0 +1,178 @@
+"""A page's rollouts built at once (``page_rollouts``, then ``page_lines`` and ``page_batch``) are the
+rollouts built one at a time (``rows_rollout_parts``, then ``rollout_line`` and ``RolloutColumns``),
+byte for byte and value for value, on stored conversations read back through the export's own page
+reader from SQLite and from PostgreSQL: the benchmark's 4-turn chats with regenerations, votes, closers
+and -inf logprobs, and chats changed to hold what it lacks (rewards, version spans, tool calls, a turn
+without a token record, a client-written assistant turn, a prompt that does not extend the one
+before, a NaN logprob, a sibling reply, a logprob missing), under several filters."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.export import Ids, Rows, make_chats
+from server.export.columnar import RolloutColumns, page_batch
+from server.export.jsonl import rollout_line
+from server.export.page_jsonl import page_lines
+from server.export.page_rollouts import page_rollouts
+from server.export.pages import connect, page_bounds, page_chats, page_queries
+from server.export.query import ExportFilters, PolicyPaths
+from server.export.rollouts import rows_rollout_parts
+from tests import services
+
+PATHS = PolicyPaths({"bench-model": {1: "/ckpt/v1", 2: "/ckpt/v2"}})
+
+
+def _varied(rows: Rows) -> set[str]:
+    """Changes the generated rows so that they hold what the benchmark's do not; returns the chats
+    whose pages the page builder leaves to ``rows_rollout_parts`` (a logprob missing)."""
+    rng = np.random.default_rng(7)
+    assistants = [m for m in rows.messages if m["role"] == "assistant"]
+    tokens = {t["message_id"]: t for t in rows.tokens}
+    for i, m in enumerate(assistants):
+        t = tokens[m["id"]]
+        if i % 7 == 0:
+            m["reward"], m["episode_done"] = float(rng.normal()), bool(i % 2)
+        if i % 5 == 1:
+            n = len(t["completion_ids"]) // 4
+            m["policy_versions"] = [[0, 1], [n // 2, 2]] if n > 1 else [[0, 2]]
+        if i % 11 == 2:
+            m["tool_calls"] = [{"id": f"call_{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+            m["reasoning_content"] = 'thinking \u00e9 "quoted"\n'
+        if i % 13 == 3:
+            t["stop_reason"] = "s:</s>"
+        if i % 17 == 4:
+            lps = np.frombuffer(t["logprobs"], np.float32).copy()
+            lps[0] = np.nan
+            t["logprobs"] = lps.tobytes()
+        if i % 19 == 5:
+            m["created_at"] = m["created_at"].replace(microsecond=0)
+        if i % 23 == 6 and t["reused_prefix_len"]:  # a prompt that does not extend the turns before
+            prompt = np.frombuffer(t["prompt_ids"], np.int32).copy()
+            prompt[0] += 1
+            t["prompt_ids"] = prompt.tobytes()
+    chats = sorted({m["chat_id"] for m in assistants})
+    for m in assistants:  # every fourth chat all on recent versions (what min_version keeps)
+        if chats.index(m["chat_id"]) % 4 == 0 and "policy_versions" not in m:
+            m["policy_versions"] = [[0, 2]]
+    # a turn without its token record (the rollout is incomplete)
+    rows.tokens.remove(tokens[assistants[9]["id"]])
+    # an assistant message a client wrote (context, not a turn): the second reply of a chat becomes one
+    manual = assistants[13]
+    manual["state"] = "manual"
+    rows.tokens.remove(tokens[manual["id"]])
+    # a sibling reply to a chat's first prompt: a one-turn leaf beside a four-turn path
+    first = assistants[20]
+    sibling = dict(first, id=first["id"][:-4] + "ffff")
+    rows.messages.append(sibling)
+    rows.tokens.append(dict(tokens[first["id"]], message_id=sibling["id"]))
+    # a logprob missing: that chat's page is built one rollout at a time
+    short = tokens[assistants[30]["id"]]
+    short["logprobs"] = short["logprobs"][:-4]
+    return {assistants[30]["chat_id"]}
+
+
+async def _store(url: str) -> set[str]:
+    from sqlalchemy import insert
+
+    from server.db import create_engine
+    from server.models import Chat, Message, MessageTokens, User
+
+    rows = make_chats(np.random.default_rng(3), Ids(int(datetime(2026, 1, 1).timestamp() * 1000), 3), 0, 160, 4)
+    odd = _varied(rows)
+    for m in rows.messages:
+        m.setdefault("reward", None)
+        m.setdefault("episode_done", False)
+        m.setdefault("policy_versions", None)
+    engine = create_engine(url)
+    try:
+        async with engine.begin() as conn:
+            for table, values in (
+                (User.__table__, rows.users),
+                (Chat.__table__, rows.chats),
+                (Message.__table__, rows.messages),
+                (MessageTokens.__table__, rows.tokens),
+            ):
+                await conn.execute(insert(table), values)
+    finally:
+        await engine.dispose()
+    return odd
+
+
+FILTERS = [
+    ExportFilters(),
+    ExportFilters(include_incomplete=True, reward_rule="mean"),
+    ExportFilters(rated_only=True, reward_rule="min"),
+    ExportFilters(min_version=1),
+    ExportFilters(max_staleness=1, reward_rule="leaf"),
+    ExportFilters(min_score=-0.5),
+    ExportFilters(model="bench-model", since=datetime(2026, 1, 1, 0, 0, 1, tzinfo=UTC)),
+]
+
+
+async def _compare(url: str, filters: ExportFilters, odd: set[str]) -> tuple[int, int]:
+    """Compares both ways on each page; returns (pages built at once, rollouts compared)."""
+    from server.db import create_engine
+
+    engine = create_engine(url)
+    queries = page_queries(engine, filters)
+    await engine.dispose()
+    dec = queries.decoders
+    conn = await connect(queries)
+    at_once = compared = 0
+    try:
+        for after, last in await page_bounds(conn, queries, 40):
+            chats = [chat async for chat in page_chats(conn, queries, after, last)]
+            one_by_one = [r for chat in chats for r in rows_rollout_parts(*chat, filters, dec, PATHS)]
+            lines = [rollout_line(r) for r in one_by_one]
+            columns = RolloutColumns()
+            for r in [r for chat in chats for r in rows_rollout_parts(*chat, filters, dec, PATHS)]:
+                columns.add(r)
+            page = page_rollouts(chats, filters, dec, PATHS)
+            if page is None:
+                assert odd & {c[0] for c in chats}, "only a page with a logprob missing is left to rows_rollout_parts"
+                continue
+            at_once += 1
+            compared += len(lines)
+            assert page_lines(page, dec, filters.reward_rule) == lines
+            batch = page_batch(page, dec, filters.reward_rule)
+            expected = columns.batch()
+            for name in expected.schema.names:
+                assert batch.column(name).equals(expected.column(name)), name
+    finally:
+        await conn.close()
+    return at_once, compared
+
+
+def _check(url: str) -> None:
+    from server.migrate import upgrade
+
+    upgrade(url)
+    odd = asyncio.run(_store(url))
+    for filters in FILTERS:
+        at_once, compared = asyncio.run(_compare(url, filters, odd))
+        assert at_once >= 3 and compared >= 10, (filters, at_once, compared)
+
+
+def test_page_rollouts_are_the_one_by_one_rollouts_on_sqlite(tmp_path: Path) -> None:
+    _check(f"sqlite+aiosqlite:///{tmp_path / 'pages.db'}")
+
+
+@pytest.fixture(scope="module")
+def own_postgres() -> Iterator[str]:
+    try:
+        with services.postgres_service() as url:
+            yield url
+    except services.ServiceUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.mark.postgres
+def test_page_rollouts_are_the_one_by_one_rollouts_on_postgres(own_postgres: str) -> None:
+    _check(own_postgres)

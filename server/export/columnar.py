@@ -237,29 +237,36 @@ def page_batch(page: PageRollouts, dec: Decoders, reward_rule: str) -> pa.Record
     columns["reward"] = column(page.rewards, pa.float64())
     columns["reward_rule"] = column([reward_rule] * n, pa.string())
     columns["complete"] = column(page.completes, pa.bool_())
-    structs = _page_turn_structs(turns, dec)
-    order = [k for ks in page.turn_lists for k in ks]
-    if order != list(range(len(turns))):  # a turn in several rollouts (branches share their prefix)
-        structs = structs.take(pa.array(order, pa.int64()))
+    order = [k for ks in page.turn_lists for k in ks]  # a turn in several rollouts (a shared prefix) repeats
+    structs = _page_turn_structs(turns, dec, order)
     columns["turns"] = lists([len(ks) for ks in page.turn_lists], structs)
     columns["samples"] = lists([len(g) for g in page.groups], _page_sample_structs(page))
     return pa.RecordBatch.from_arrays([columns[f.name] for f in ROLLOUT_SCHEMA], schema=ROLLOUT_SCHEMA)
 
 
-def _page_turn_structs(turns: PageTurns, dec: Decoders) -> pa.StructArray:
-    n = len(turns)
+def _page_turn_structs(turns: PageTurns, dec: Decoders, order: list[int]) -> pa.StructArray:
+    """The turns ``order`` (indices of the page's distinct turns) as structs."""
     values = scalar_columns(turns, dec)
+    for name in _TURN_JSON:
+        values[name] = [orjson.dumps(v) for v in values[name]]
+    shared = order != list(range(len(turns)))
+    if shared:
+        values = {name: [column[k] for k in order] for name, column in values.items()}
     children = {name: column(values[name], TURN_TYPE.field(name).type) for name in _TURN_PLAIN}
     for name in _TURN_JSON:
-        children[name] = column([orjson.dumps(v) for v in values[name]], _JSON)
+        children[name] = column(values[name], _JSON)
     children["policy_versions"] = column(values["policy_versions"], _SPANS)
-    completion_lengths = np.diff(turns.completion_offsets)
-    children["completion_ids"] = lists(completion_lengths, primitive(turns.completions, pa.int32()))
-    finite = np.isfinite(turns.logprobs)
-    children["logprobs"] = lists(completion_lengths, primitive(turns.logprobs, pa.float32(), finite))
-    deltas = [turns.delta(k) for k in range(n)]
+    if shared:
+        completions = [turns.completion(k) for k in order]
+        lengths: Any = [len(c) for c in completions]
+        ids, logprobs = _joined(completions, np.int32), _joined([turns.turn_logprobs(k) for k in order], np.float32)
+    else:
+        lengths, ids, logprobs = np.diff(turns.completion_offsets), turns.completions, turns.logprobs
+    children["completion_ids"] = lists(lengths, primitive(ids, pa.int32()))
+    children["logprobs"] = lists(lengths, primitive(logprobs, pa.float32(), np.isfinite(logprobs)))
+    deltas = [turns.delta(k) for k in order]
     children["prompt_delta_ids"] = _ids([len(d) for d in deltas], deltas)
-    closers = [turns.closer(k) for k in range(n)]
+    closers = [turns.closer(k) for k in order]
     children["synthetic_closer_ids"] = _ids([len(c) for c in closers], closers)
     return pa.StructArray.from_arrays([children[f.name] for f in TURN_TYPE], fields=list(TURN_TYPE))
 

@@ -62,9 +62,10 @@ def _fill_text(sample: dict[str, Any], texts: list[_TurnText]) -> None:
         t = texts[i]
         ids += (t.delta, t.completion)
         mask += (_ZERO.repeat(t.n_delta), _ONE.repeat(t.n_completion))
-        lps += (_ZERO_LOGPROB.repeat(t.n_delta), t.zeroed)
+        lps += (ZERO_LOGPROB.repeat(t.n_delta), t.zeroed)
         versions += (_NO_VERSION.repeat(t.n_delta), _versions_text(t.spans, t.n_completion))
-    sample.update(token_ids=_array(ids), loss_mask=_array(mask), logprobs=_array(lps), policy_versions=_array(versions))
+    sample.update(token_ids=json_array(ids), loss_mask=json_array(mask))
+    sample.update(logprobs=json_array(lps), policy_versions=json_array(versions))
 
 
 class _Items:
@@ -80,7 +81,7 @@ class _Items:
         return self.run[: n * len(self.item) - 1] if n else b""
 
 
-_ZERO, _ONE, _ZERO_LOGPROB, _NO_VERSION = _Items(b"0"), _Items(b"1"), _Items(b"0.0"), _Items(str(NO_VERSION).encode())
+_ZERO, _ONE, ZERO_LOGPROB, _NO_VERSION = _Items(b"0"), _Items(b"1"), _Items(b"0.0"), _Items(str(NO_VERSION).encode())
 _VERSIONS: dict[int, _Items] = {}
 
 
@@ -94,7 +95,7 @@ def _versions_text(spans: list[list[int]], n: int) -> bytes:
     return orjson.dumps(token_versions(spans, n))[1:-1]
 
 
-def _array(items: list[bytes]) -> Fragment:
+def json_array(items: list[bytes]) -> Fragment:
     return Fragment(b"[%b]" % b",".join([i for i in items if i]))
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import orjson
 from orjson import Fragment
 
-from server.export.jsonl import _ZERO_LOGPROB, _array, version_runs
+from server.export.jsonl import ZERO_LOGPROB, json_array, version_runs
 from server.export.page_rollouts import PageRollouts, PageTurns, rollout_heads, scalar_columns
 from server.export.query import T_SYNTH, Decoders
 from shared.rollout import NO_VERSION, SCHEMA_NAME, SCHEMA_VERSION
@@ -131,7 +131,7 @@ def _samples(page: PageRollouts, texts: _TurnTexts, temperatures: list[float]) -
                 k = ks[i]
                 nd, nc = texts.n_deltas[k], texts.n_completions[k]
                 ids += (texts.deltas[k], texts.completions[k])
-                lps += (_ZERO_LOGPROB.repeat(nd), texts.zeroed[k])
+                lps += (ZERO_LOGPROB.repeat(nd), texts.zeroed[k])
                 mask_runs[0].extend((0, 1))
                 mask_runs[1].extend((nd, nc))
                 version_runs_[0].append(NO_VERSION)
@@ -143,9 +143,9 @@ def _samples(page: PageRollouts, texts: _TurnTexts, temperatures: list[float]) -
             lengths.append(end)
             samples.append(
                 {
-                    "token_ids": _array(ids),
+                    "token_ids": json_array(ids),
                     "loss_mask": None,
-                    "logprobs": _array(lps),
+                    "logprobs": json_array(lps),
                     "prompt_length": spans[0][0],
                     "turn_spans": spans,
                     "turn_indices": group,

@@ -56,7 +56,7 @@ from server.export.query import (
     ExportFilters,
     PolicyPaths,
 )
-from server.export.rollouts import _leaf_passes, _reward, _spans
+from server.export.rollouts import leaf_passes, rollout_reward, stored_spans
 
 Chat = tuple[str, str, Sequence[Any], dict[str, Any]]  # (chat id, user id, message rows, token rows by id)
 
@@ -170,7 +170,7 @@ class _Builder:
 
     def rollout(self, chat_id: str, user_id: str, by_id: dict[str, Any], leaf: Any, tokens: dict[str, Any]) -> None:
         filters = self.filters
-        if not _leaf_passes(leaf, filters, self.dec):
+        if not leaf_passes(leaf, filters, self.dec):
             return
         path = []  # the assistant messages a worker generated, root to leaf
         cur: str | None = leaf[M_ID]
@@ -204,7 +204,7 @@ class _Builder:
         turn_rewards = [page.rewards[k] for k in turns]
         if filters.rated_only and all(r is None for r in turn_rewards):
             return
-        reward = _reward(turn_rewards, filters.reward_rule)
+        reward = rollout_reward(turn_rewards, filters.reward_rule)
         if filters.min_score is not None and (reward is None or reward < filters.min_score):
             return
         out = self.out
@@ -235,7 +235,7 @@ class _Builder:
     def turn(self, m: Any, t: Any, prev: int | None) -> int | None:
         """Adds the turn of message row ``m`` with token row ``t`` after the page's turn ``prev`` (None:
         the first of its path); None where the version filters leave it (and its rollouts) out."""
-        spans = _spans(m[M_POLICY], self.dec)
+        spans = stored_spans(m[M_POLICY], self.dec)
         prompt, completion, logprobs = _blob(t[T_PROMPT], "id"), _blob(t[T_COMPLETION], "id"), t[T_LOGPROBS] or b""
         n = len(completion) >> 2
         if len(logprobs) != len(completion):  # (or not a whole number of floats: rows_rollout_parts raises)

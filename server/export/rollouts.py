@@ -23,6 +23,9 @@ packed bytes. ``path_rollout_parts`` stops there: the turns' token fields are ar
 per-position fields are left ``TO_FILL`` from its turns' arrays, which each writer does its own way
 (JSON text, Arrow columns: server/export/writers.py); ``fill_plain`` fills them with lists, the record
 ``path_rollout`` gives, the same as decoding every column first (what ``chat_rollouts`` takes).
+The export's encoders build whole pages at once instead (``server/export/page_rollouts.py``: the same
+records, a column at a time); this one-at-a-time builder serves the feed, the trainer schemas and the
+pages that one cannot take.
 """
 
 from __future__ import annotations
@@ -185,7 +188,7 @@ def leaf_path(by_id: dict[str, Any], leaf: str) -> list[Any]:
     return path
 
 
-def _leaf_passes(leaf: Any, filters: ExportFilters, dec: Decoders) -> bool:
+def leaf_passes(leaf: Any, filters: ExportFilters, dec: Decoders) -> bool:
     if filters.model is not None and leaf[M_MODEL] != filters.model:
         return False
     if filters.since is None and filters.until is None:
@@ -198,7 +201,7 @@ def _leaf_passes(leaf: Any, filters: ExportFilters, dec: Decoders) -> bool:
     return not (filters.until is not None and created >= filters.until)
 
 
-def _reward(turn_rewards: list[float | None], rule: RewardRule) -> float | None:
+def rollout_reward(turn_rewards: list[float | None], rule: RewardRule) -> float | None:
     rated = [r for r in turn_rewards if r is not None]
     if rule == "leaf":
         return turn_rewards[-1] if turn_rewards else None
@@ -230,7 +233,7 @@ _NO_IDS: np.ndarray[Any, Any] = np.zeros(0, _INT32)
 TO_FILL: list[Any] = []
 
 
-def _spans(raw: Any, dec: Decoders) -> list[list[int]]:
+def stored_spans(raw: Any, dec: Decoders) -> list[list[int]]:
     """A message's stored ``[start, version]`` spans (None or empty: stored before versions were kept)."""
     spans = dec.json(raw)
     if not spans:
@@ -267,7 +270,7 @@ def path_rollout_parts(
     and a sample's per-position fields are ``TO_FILL`` where they are its turns' arrays laid end to end
     (every sample unless a turn's logprobs do not match its completion)."""
     leaf = path[-1]
-    if not _leaf_passes(leaf, filters, dec):
+    if not leaf_passes(leaf, filters, dec):
         return None
     # assistant messages a client wrote (OpenAI API histories) are context, not turns
     assistants = [m for m in path if m[M_ROLE] == "assistant" and m[M_STATE] != MANUAL]
@@ -284,7 +287,7 @@ def path_rollout_parts(
     turn_rewards = [t["reward"] for t in turns.records]
     if filters.rated_only and all(r is None for r in turn_rewards):
         return None
-    reward = _reward(turn_rewards, filters.reward_rule)
+    reward = rollout_reward(turn_rewards, filters.reward_rule)
     if filters.min_score is not None and (reward is None or reward < filters.min_score):
         return None
     return _rollout_record(chat_id, user_id, turns, reward, complete)
@@ -307,7 +310,7 @@ class _Turns:
     def add(self, m: Any, t: Any) -> bool:
         """Adds the turn of message row ``m`` with token row ``t``; False: the version filters leave the
         rollout out."""
-        spans = _spans(m[M_POLICY], self.dec)
+        spans = stored_spans(m[M_POLICY], self.dec)
         prompt, completion = _blob(t[T_PROMPT], "id"), _blob(t[T_COMPLETION], "id")
         used = [v for start, v in spans if start < len(completion) >> 2]  # the versions of generated tokens
         model = m[M_MODEL] or ""

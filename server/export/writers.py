@@ -3,11 +3,13 @@
 Both stream: memory holds at most one row group. Non-finite floats never reach a file: the
 exporter writes None (JSON null) for a -inf logprob.
 
-An export of rollouts (``server/export/run.py``) encodes a page of rollouts at a time (``Encoder``s:
-on worker processes, see ``server/export/parallel.py``) and hands the bytes to a ``PageWriter``:
-JSON lines (``LinesEncoder``: native rollouts by ``server/export/jsonl.py``), or for Parquet an Arrow
-batch of native rollouts (``ArrowEncoder``: ``server/export/columnar.py``; ``RolloutParquetWriter``) or
-the records of a trainer schema (``RecordsEncoder``, ``ParquetWriter``).
+An export of rollouts (``server/export/run.py``) builds and encodes a page of chats at a time
+(``Encoder``s: on worker processes, see ``server/export/parallel.py``) and hands the bytes to a
+``PageWriter``: JSON lines (``LinesEncoder``: native rollouts a page at a time by
+``server/export/page_rollouts.py`` and ``server/export/page_jsonl.py``), or for Parquet an Arrow batch of
+native rollouts (``ArrowEncoder``: ``server/export/columnar.py``; ``RolloutParquetWriter``) or the
+records of a trainer schema (``RecordsEncoder``, ``ParquetWriter``). A page with a turn whose logprobs
+do not line up with its completion is built one rollout at a time (``rows_rollout_parts``).
 """
 
 from __future__ import annotations

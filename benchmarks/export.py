@@ -268,15 +268,28 @@ def make_chats(rng: np.random.Generator, ids: Ids, first: int, count: int, turns
     return rows
 
 
+async def insert_rows(conn: Any, rows: Rows) -> None:
+    """Insert generated rows on an open connection (SQLAlchemy Core executemany, table by table)."""
+    from sqlalchemy import insert
+
+    from server.models import Chat, Message, MessageTokens, User
+
+    for table, values in (
+        (User.__table__, rows.users),
+        (Chat.__table__, rows.chats),
+        (Message.__table__, rows.messages),
+        (MessageTokens.__table__, rows.tokens),
+    ):
+        if values:  # (an empty list would insert one row of defaults)
+            await conn.execute(insert(table), values)
+
+
 async def insert_chats(
     url: str, first: int, count: int, turns: int, rng: np.random.Generator, ids: Ids
 ) -> tuple[float, float]:
     """Bulk-insert ``count`` chats (Core executemany, one transaction per 500 chats).
     Returns (seconds generating the rows, seconds inserting them)."""
-    from sqlalchemy import insert
-
     from server.db import create_engine
-    from server.models import Chat, Message, MessageTokens, User
 
     engine = create_engine(url)
     generate = elapsed = 0.0
@@ -287,14 +300,7 @@ async def insert_chats(
             generate += time.perf_counter() - t0
             t0 = time.perf_counter()
             async with engine.begin() as conn:
-                for table, values in (
-                    (User.__table__, rows.users),
-                    (Chat.__table__, rows.chats),
-                    (Message.__table__, rows.messages),
-                    (MessageTokens.__table__, rows.tokens),
-                ):
-                    if values:  # (an empty list would insert one row of defaults)
-                        await conn.execute(insert(table), values)
+                await insert_rows(conn, rows)
             elapsed += time.perf_counter() - t0
         if engine.dialect.name == "postgresql":
             async with engine.connect() as conn:

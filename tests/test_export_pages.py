@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.export import Ids, Rows, make_chats
+from benchmarks.export import Ids, Rows, insert_rows, make_chats
 from server.export.columnar import RolloutColumns, page_batch
 from server.export.jsonl import rollout_line
 from server.export.page_jsonl import page_lines
@@ -88,10 +88,7 @@ def _varied(rows: Rows) -> set[str]:
 
 
 async def _store(url: str) -> set[str]:
-    from sqlalchemy import insert
-
     from server.db import create_engine
-    from server.models import Chat, Message, MessageTokens, User
 
     rows = make_chats(np.random.default_rng(3), Ids(int(datetime(2026, 1, 1).timestamp() * 1000), 3), 0, 160, 4)
     odd = _varied(rows)
@@ -102,13 +99,7 @@ async def _store(url: str) -> set[str]:
     engine = create_engine(url)
     try:
         async with engine.begin() as conn:
-            for table, values in (
-                (User.__table__, rows.users),
-                (Chat.__table__, rows.chats),
-                (Message.__table__, rows.messages),
-                (MessageTokens.__table__, rows.tokens),
-            ):
-                await conn.execute(insert(table), values)
+            await insert_rows(conn, rows)
     finally:
         await engine.dispose()
     return odd

@@ -56,7 +56,7 @@ from server.export.query import (
     ExportFilters,
     PolicyPaths,
 )
-from server.export.rollouts import leaf_passes, rollout_reward, stored_spans
+from server.export.rollouts import leaf_passes, leaves, packed_blob, recent_enough, rollout_reward, stored_spans
 
 Chat = tuple[str, str, Sequence[Any], dict[str, Any]]  # (chat id, user id, message rows, token rows by id)
 
@@ -157,16 +157,8 @@ class _Builder:
 
     def chat(self, chat_id: str, user_id: str, msgs: Sequence[Any], tokens: dict[str, Any]) -> None:
         by_id = {m[M_ID]: m for m in msgs}
-        below: set[str] = set()  # messages with an assistant descendant
-        for m in msgs:
-            if m[M_ROLE] == "assistant" and m[M_STATE] != MANUAL:
-                parent = m[M_PARENT]
-                while parent in by_id and parent not in below:
-                    below.add(parent)
-                    parent = by_id[parent][M_PARENT]
-        for m in msgs:
-            if m[M_ROLE] == "assistant" and m[M_STATE] != MANUAL and m[M_ID] not in below:
-                self.rollout(chat_id, user_id, by_id, m, tokens)
+        for leaf in leaves(msgs, by_id):
+            self.rollout(chat_id, user_id, by_id, leaf, tokens)
 
     def rollout(self, chat_id: str, user_id: str, by_id: dict[str, Any], leaf: Any, tokens: dict[str, Any]) -> None:
         filters = self.filters
@@ -236,12 +228,13 @@ class _Builder:
         """Adds the turn of message row ``m`` with token row ``t`` after the page's turn ``prev`` (None:
         the first of its path); None where the version filters leave it (and its rollouts) out."""
         spans = stored_spans(m[M_POLICY], self.dec)
-        prompt, completion, logprobs = _blob(t[T_PROMPT], "id"), _blob(t[T_COMPLETION], "id"), t[T_LOGPROBS] or b""
+        prompt, completion = packed_blob(t[T_PROMPT], "id"), packed_blob(t[T_COMPLETION], "id")
+        logprobs = t[T_LOGPROBS] or b""
         n = len(completion) >> 2
         if len(logprobs) != len(completion):  # (or not a whole number of floats: rows_rollout_parts raises)
             raise _Malformed
         used = [v for start, v in spans if start < n]
-        if self.versions_filtered and not self._recent_enough(used, m[M_MODEL] or ""):
+        if self.versions_filtered and not recent_enough(used, m[M_MODEL] or "", self.filters, self.paths):
             self.index[m[M_ID]] = None
             return None
         page = self.out.turns
@@ -267,14 +260,6 @@ class _Builder:
         self.logprob_blobs.append(logprobs)
         return k
 
-    def _recent_enough(self, used: list[int], model: str) -> bool:
-        filters, floors = self.filters, []
-        if filters.min_version is not None:
-            floors.append(filters.min_version)
-        if filters.max_staleness is not None:
-            floors.append(self.paths.newest(model) - filters.max_staleness)
-        return all(v >= max(floors) for v in used)
-
     def finish(self) -> PageRollouts:
         page = self.out.turns
         page.prompts = np.frombuffer(b"".join(self.prompt_blobs), _INT32)
@@ -289,17 +274,6 @@ def _offsets(blobs: list[bytes]) -> np.ndarray[Any, Any]:
     offsets = np.zeros(len(blobs) + 1, np.int64)
     np.cumsum([len(b) >> 2 for b in blobs], out=offsets[1:])
     return offsets
-
-
-def _blob(value: Any, kind: str) -> bytes:
-    """A packed int32/float32 column as bytes, checked like ``rollouts._blob``."""
-    if not value:
-        return b""
-    if type(value) is not bytes:
-        value = bytes(value)
-    if len(value) % 4:
-        raise ValueError(f"packed {kind} blob has {len(value)} bytes, not a multiple of 4")
-    return value  # type: ignore[no-any-return]
 
 
 # --- the turns' scalar fields, a column at a time --------------------------------------------------------

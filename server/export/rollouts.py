@@ -159,6 +159,17 @@ def rows_rollout_parts(
 ) -> list[dict[str, Any]]:
     """``rows_rollouts`` as ``path_rollout_parts`` leaves them: for a writer to finish."""
     by_id = {m[M_ID]: m for m in msgs}
+    out = []
+    for m in leaves(msgs, by_id):
+        rollout = path_rollout_parts(chat_id, user_id, leaf_path(by_id, m[M_ID]), tokens, filters, dec, paths)
+        if rollout is not None:
+            out.append(rollout)
+    return out
+
+
+def leaves(msgs: Sequence[Any], by_id: dict[str, Any]) -> list[Any]:
+    """The chat's leaves, in ``msgs`` order: the assistant messages a worker generated that have no such
+    message below them (``by_id``: ``msgs`` by id)."""
     below: set[str] = set()  # messages with an assistant descendant
     for m in msgs:
         if m[M_ROLE] == "assistant" and m[M_STATE] != MANUAL:
@@ -166,14 +177,7 @@ def rows_rollout_parts(
             while parent in by_id and parent not in below:
                 below.add(parent)
                 parent = by_id[parent][M_PARENT]
-    out = []
-    for m in msgs:
-        if m[M_ROLE] != "assistant" or m[M_STATE] == MANUAL or m[M_ID] in below:
-            continue
-        rollout = path_rollout_parts(chat_id, user_id, leaf_path(by_id, m[M_ID]), tokens, filters, dec, paths)
-        if rollout is not None:
-            out.append(rollout)
-    return out
+    return [m for m in msgs if m[M_ROLE] == "assistant" and m[M_STATE] != MANUAL and m[M_ID] not in below]
 
 
 def leaf_path(by_id: dict[str, Any], leaf: str) -> list[Any]:
@@ -214,7 +218,7 @@ def rollout_reward(turn_rewards: list[float | None], rule: RewardRule) -> float 
     return rated[-1]
 
 
-def _blob(value: Any, kind: str) -> bytes:
+def packed_blob(value: Any, kind: str) -> bytes:
     """A packed int32/float32 column (shared/packing.py) as bytes, checked like its unpackers."""
     if not value:
         return b""
@@ -311,10 +315,10 @@ class _Turns:
         """Adds the turn of message row ``m`` with token row ``t``; False: the version filters leave the
         rollout out."""
         spans = stored_spans(m[M_POLICY], self.dec)
-        prompt, completion = _blob(t[T_PROMPT], "id"), _blob(t[T_COMPLETION], "id")
+        prompt, completion = packed_blob(t[T_PROMPT], "id"), packed_blob(t[T_COMPLETION], "id")
         used = [v for start, v in spans if start < len(completion) >> 2]  # the versions of generated tokens
         model = m[M_MODEL] or ""
-        if self.versions_filtered and not self._recent_enough(used, model):
+        if self.versions_filtered and not recent_enough(used, model, self.filters, self.paths):
             return False
         for v in used:
             key = str(v)
@@ -334,14 +338,15 @@ class _Turns:
         self.prev = (prompt, completion)
         return True
 
-    def _recent_enough(self, used: list[int], model: str) -> bool:
-        """Whether the versions ``used`` by a turn of ``model`` pass the version filters."""
-        filters, floors = self.filters, []
-        if filters.min_version is not None:
-            floors.append(filters.min_version)
-        if filters.max_staleness is not None:
-            floors.append(self.paths.newest(model) - filters.max_staleness)
-        return all(v >= max(floors) for v in used)
+
+def recent_enough(used: list[int], model: str, filters: ExportFilters, paths: PolicyPaths) -> bool:
+    """Whether the versions ``used`` by a turn of ``model`` pass the version filters."""
+    floors = []
+    if filters.min_version is not None:
+        floors.append(filters.min_version)
+    if filters.max_staleness is not None:
+        floors.append(paths.newest(model) - filters.max_staleness)
+    return all(v >= max(floors) for v in used)
 
 
 def _rollout_record(chat_id: str, user_id: str, turns: _Turns, reward: float | None, complete: bool) -> dict[str, Any]:
@@ -383,7 +388,7 @@ def _turn(
         "message_id": m[M_ID],
         "prompt_delta_ids": prompt[prev_len:] if prev_len else prompt,
         "completion_ids": np.frombuffer(completion_blob, _INT32),
-        "logprobs": np.frombuffer(_blob(t[T_LOGPROBS], "float"), _FLOAT32),
+        "logprobs": np.frombuffer(packed_blob(t[T_LOGPROBS], "float"), _FLOAT32),
         "finish_reason": t[T_FINISH],
         "stop_reason": None if stop is None else decode_stop_reason(stop),
         "synthetic_closer_ids": prompt[reused : reused + synth] if synth else _NO_IDS,

@@ -84,8 +84,11 @@ def _turn_texts(turns: PageTurns) -> _TurnTexts:
 
 def _turn_records(turns: PageTurns, texts: _TurnTexts, columns: dict[str, list[Any]]) -> list[dict[str, Any]]:
     """Each turn's record (``_turn``'s fields, in its order)."""
-    (mid, finish, stop, reused, fork, method, length, sampling, reward, done) = list(columns.values())[:10]
-    (spans, content, reasoning, tool_calls, created) = list(columns.values())[10:]
+    c = columns
+    mid, finish, stop, reused = c["message_id"], c["finish_reason"], c["stop_reason"], c["reused_prefix_len"]
+    fork, method, length, sampling = c["fork"], c["prompt_method"], c["prompt_length"], c["sampling"]
+    reward, done, spans, content = c["reward"], c["done"], c["policy_versions"], c["content"]
+    reasoning, tool_calls, created = c["reasoning_content"], c["tool_calls"], c["created_at"]
     records = []
     for k in range(len(turns)):
         synth = turns.toks[k][T_SYNTH]

@@ -21,6 +21,7 @@ from server.api.auth import router as auth_router
 from server.api.chats import configs_router
 from server.api.chats import router as chats_router
 from server.api.deps import StateDep
+from server.api.hot_lane import HotLane, HotRoute, LaneApp
 from server.api.openai_chat import router as openai_router
 from server.api.openai_completions import router as completions_router
 from server.api.openai_responses import router as responses_router
@@ -99,6 +100,22 @@ async def ready(state: StateDep) -> JSONResponse:
     if ok:
         return JSONResponse(body)
     return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def hot_routes() -> dict[str, HotRoute]:
+    """The generation routes, one POST per agent turn: served by the hot lane (same functions)."""
+    from server.api.anthropic_messages import create_message
+    from server.api.openai_chat import chat_completions, chat_completions_tokens
+    from server.api.openai_completions import completions
+    from server.api.openai_responses import create_response
+
+    return {
+        "/v1/chat/completions": HotRoute.of(chat_completions),
+        "/v1/chat/completions/tokens": HotRoute.of(chat_completions_tokens),
+        "/v1/completions": HotRoute.of(completions),
+        "/v1/responses": HotRoute.of(create_response),
+        "/v1/messages": HotRoute.of(create_message),
+    }
 
 
 def create_app(
@@ -201,7 +218,7 @@ def create_app(
             sql.close()
             await engine.dispose()
 
-    app = FastAPI(title="tokentrail", version="0.1.0", lifespan=lifespan)
+    app = LaneApp(title="tokentrail", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
     app.add_middleware(RequestGuard, max_body_bytes=settings.max_body_bytes)
     if origins := settings.cors_origin_list:
@@ -225,6 +242,11 @@ def create_app(
     app.include_router(rewards_router, responses=OPENAI_ERROR_RESPONSES)  # once per episode: after the hot routes
     app.include_router(rollout_feed_router, responses=OPENAI_ERROR_RESPONSES)  # long-lived streams, opened rarely
     app.include_router(health_router)
+
+    if settings.hot_lane:
+        app.hot_lane = HotLane(
+            app, hot_routes(), max_body_bytes=settings.max_body_bytes, cors=bool(settings.cors_origin_list)
+        )
 
     web = Path(__file__).parent / "web"
     app.mount("/web", StaticFiles(directory=web), name="web")

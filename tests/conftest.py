@@ -63,7 +63,8 @@ def trained_model() -> Callable[[str], Path]:
 def embedded_stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[str]:
     """A server on embedded defaults (SQLite, in-process queue) in a thread, with one real worker
     (hf engine, tiny model) connected over the websocket. Yields the server URL; the settings
-    (for direct database access) are ``embedded_settings``."""
+    (for direct database access) are ``embedded_settings``. Its generation routes take the hot lane
+    (``server/api/hot_lane.py``), so the tests on this stack exercise it; other stacks use the default."""
     from server.settings import ServerSettings
     from tests.stack import MODEL, ServerThread, WorkerThread, worker_key
     from tokentrail.launcher import free_port
@@ -77,11 +78,16 @@ def embedded_stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Pat
             redis = _enter_or_skip(stack, services.redis_service())
             secret = "tests-serve-processes-secret-0123456789"  # every process signs alike
             settings = ServerSettings(
-                data_dir=data, port=free_port(), redis_url=redis, auth_secret=secret, allow_debug_auth=True
-            )  # debug logins, as on embedded defaults
+                data_dir=data,
+                port=free_port(),
+                redis_url=redis,
+                auth_secret=secret,
+                allow_debug_auth=True,  # debug logins, as on embedded defaults
+                hot_lane=True,
+            )
             url = stack.enter_context(_served(settings, processes, tmp_path_factory.mktemp("logs")))
         else:
-            settings = ServerSettings(data_dir=data, port=free_port())
+            settings = ServerSettings(data_dir=data, port=free_port(), hot_lane=True)
             server = ServerThread(settings).start()
             stack.callback(server.stop)
             url = server.url
@@ -107,6 +113,7 @@ def _served(settings: ServerSettings, processes: int, logs: Path) -> Iterator[st
         "TOKENTRAIL_REDIS_URL": str(settings.redis_url),
         "TOKENTRAIL_AUTH_SECRET": str(settings.auth_secret),
         "TOKENTRAIL_ALLOW_DEBUG_AUTH": str(settings.allow_debug_auth).lower(),
+        "TOKENTRAIL_HOT_LANE": str(settings.hot_lane).lower(),
     }
     port = str(settings.port)
     proc = spawn(["serve", "--port", port, "--processes", str(processes)], env=env, output=logs / "server.log")

@@ -2,7 +2,8 @@
 
 Error answers are compared with a server that has the lane off, request for request: the same status,
 headers that matter and body. Streams it serves end when the client goes away. The lane's happy paths
-are the rest of the suite: every OpenAI, Responses and Messages test goes through it.
+are the rest of the suite: the shared embedded stack has it on, so every OpenAI, Responses and Messages
+test on that stack goes through it.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def test_a_stream_ends_when_its_client_goes_away(embedded_stack: str, embedded_s
 
 
 def test_the_lane_answers_what_it_can_and_hands_the_rest_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    settings = ServerSettings(data_dir=tmp_path, port=free_port())
+    settings = ServerSettings(data_dir=tmp_path, port=free_port(), hot_lane=True)
     server = ServerThread(settings).start()
     try:
         lane = server.server.config.app.hot_lane

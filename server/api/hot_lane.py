@@ -138,7 +138,8 @@ class HotLane:
 
 
 def _headers(scope: Scope) -> dict[str, str]:
-    return {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]}
+    """Header name -> value; a repeated header's first value, as Starlette's ``Headers.get`` gives."""
+    return {name.decode("latin-1"): value.decode("latin-1") for name, value in reversed(scope["headers"])}
 
 
 def _token(headers: dict[str, str]) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -38,8 +38,12 @@ SessionDep = Annotated[AsyncSession, Depends(get_session)]
 
 
 def bearer_token(request: Request) -> str:
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
+    return bearer_of(request.headers)
+
+
+def bearer_of(headers: Mapping[str, str]) -> str:
+    """The token of an ``Authorization: Bearer`` header (names in lower case, as ASGI gives them)."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise ApiError(
             ErrorCode.not_authenticated,
@@ -95,12 +99,16 @@ async def _lookup_user(token: str, state: AppState, session: AsyncSession) -> Us
 
 
 def request_token(request: Request) -> str:
+    return token_of(request.headers)
+
+
+def token_of(headers: Mapping[str, str]) -> str:
     """The bearer token; without an Authorization header, the API key of ``x-api-key`` (Anthropic's SDK
     sends its key so)."""
-    key = request.headers.get("x-api-key", "").strip()
-    if key and "authorization" not in request.headers:
+    key = headers.get("x-api-key", "").strip()
+    if key and "authorization" not in headers:
         return key
-    return bearer_token(request)
+    return bearer_of(headers)
 
 
 async def get_current_user(request: Request, state: StateDep, session: SessionDep) -> User:
@@ -156,10 +164,16 @@ async def idempotency_key(request: Request, user: CurrentUser, state: StateDep) 
     raw = request.headers.get(HEADER)
     if raw is None:
         return None
-    key = parse_key(raw)
-    path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
     body = await request.body()  # read once by FastAPI already: cached
-    return IdempotencyKey(user.id, key, fingerprint(request.method, path, body), state.settings.idempotency_ttl_s)
+    return idempotency_of(raw, user.id, request.method, request.url.path, request.url.query, body, state)
+
+
+def idempotency_of(
+    raw: str, user_id: str, method: str, path: str, query: str, body: bytes, state: AppState
+) -> IdempotencyKey:
+    """An ``Idempotency-Key`` header's value as the key of this user's request (method, path, body)."""
+    target = path + (f"?{query}" if query else "")
+    return IdempotencyKey(user_id, parse_key(raw), fingerprint(method, target, body), state.settings.idempotency_ttl_s)
 
 
 Idempotency = Annotated[IdempotencyKey | None, Depends(idempotency_key)]

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -31,14 +30,10 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.api.deps import SESSION_HEADERS, session_key, user_for_token
-from server.errors import ApiError
+from server.api.deps import SESSION_HEADERS, idempotency_of, session_key, token_of, user_for_token
 from server.idempotency import HEADER as IDEMPOTENCY_HEADER
-from server.idempotency import IdempotencyKey, fingerprint, parse_key
+from server.idempotency import IdempotencyKey
 from server.state import AppState
-from shared.errors import ErrorCode
-
-log = logging.getLogger(__name__)
 
 Endpoint = Callable[..., Awaitable[Response]]
 _ARGUMENTS = frozenset({"body", "user", "session", "state", "hint", "idem"})
@@ -120,7 +115,7 @@ class HotLane:
     async def _call(self, route: HotRoute, parsed: BaseModel, scope: Scope, raw: bytes) -> Response:
         state: AppState = self.owner.state.tt
         headers = _headers(scope)
-        token = _token(headers)
+        token = token_of(headers)
         async with state.sessions() as session:
             user = await user_for_token(token, state, session)
             args: dict[str, Any] = {"body": parsed, "user": user, "session": session, "state": state}
@@ -142,21 +137,6 @@ def _headers(scope: Scope) -> dict[str, str]:
     return {name.decode("latin-1"): value.decode("latin-1") for name, value in reversed(scope["headers"])}
 
 
-def _token(headers: dict[str, str]) -> str:
-    """``request_token`` on raw headers: the bearer token, or Anthropic's ``x-api-key`` without one."""
-    key = headers.get("x-api-key", "").strip()
-    if key and "authorization" not in headers:
-        return key
-    scheme, _, token = headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise ApiError(
-            ErrorCode.not_authenticated,
-            "missing credentials: send 'Authorization: Bearer <token or API key>'",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-    return token.strip()
-
-
 def _idempotency(
     headers: dict[str, str], scope: Scope, raw: bytes, user_id: str, state: AppState
 ) -> IdempotencyKey | None:
@@ -164,8 +144,7 @@ def _idempotency(
     if value is None:
         return None
     query = scope.get("query_string", b"").decode("latin-1")
-    path = scope["path"] + (f"?{query}" if query else "")
-    return IdempotencyKey(user_id, parse_key(value), fingerprint("POST", path, raw), state.settings.idempotency_ttl_s)
+    return idempotency_of(value, user_id, "POST", scope["path"], query, raw, state)
 
 
 async def _read_body(receive: Receive) -> bytes | None:

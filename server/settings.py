@@ -105,10 +105,10 @@ class ServerSettings(BaseSettings):
     """Largest request body in bytes, refused before it is read (413 request_too_large)."""
     cors_origins: str = ""
     """Web origins allowed to call the API from a browser (CORS), comma-separated; ``*`` for any."""
-    hot_lane: bool = False
+    hot_lane: bool = True
     """Serve the generation routes (chat completions, completions, Responses, Messages) past FastAPI's
     middleware, routing and dependency layers (``server/api/hot_lane.py``): the same answers for less CPU
-    per turn. Off by default until the fault-injection runs have been re-done with it on."""
+    per turn. ``false`` sends every request through the full FastAPI stack."""
 
     @property
     def cors_origin_list(self) -> list[str]:

@@ -64,7 +64,8 @@ def embedded_stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Pat
     """A server on embedded defaults (SQLite, in-process queue) in a thread, with one real worker
     (hf engine, tiny model) connected over the websocket. Yields the server URL; the settings
     (for direct database access) are ``embedded_settings``. Its generation routes take the hot lane
-    (``server/api/hot_lane.py``), so the tests on this stack exercise it; other stacks use the default."""
+    (``server/api/hot_lane.py``, the default, set here so that a changed default does not change what
+    these tests cover)."""
     from server.settings import ServerSettings
     from tests.stack import MODEL, ServerThread, WorkerThread, worker_key
     from tokentrail.launcher import free_port

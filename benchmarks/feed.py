@@ -105,11 +105,18 @@ async def agent(
                 continue
             reward = round(rng.uniform(-1, 1), 3)
             url = urls[(index + episode + 1) % len(urls)]
-            resp = await http.post(
-                f"{url}/v1/rewards",
-                json={"message_id": mid, "reward": reward, "done": True},
-                headers={"Authorization": f"Bearer {key}"},
-            )
+            for attempt in range(3):  # posting a reward again replaces it: safe to retry
+                try:
+                    resp = await http.post(
+                        f"{url}/v1/rewards",
+                        json={"message_id": mid, "reward": reward, "done": True},
+                        headers={"Authorization": f"Bearer {key}"},
+                    )
+                    break
+                except httpx.TransportError as exc:  # e.g. a kept-alive connection the server closed
+                    if attempt == 2:
+                        raise
+                    say(f"  agent {index}: reward post failed ({exc!r}); posting it again")
             if resp.status_code != 200:
                 say(f"  agent {index}: reward refused: {resp.status_code} {resp.text[:200]}")
                 tally.failed += 1

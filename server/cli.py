@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -300,6 +302,7 @@ def _follow(
         raise typer.BadParameter("--follow needs --api-key (or TOKENTRAIL_API_KEY)")
     if cursor_file is None and str(out) != "-":
         cursor_file = out.with_name(out.name + ".cursor")
+    signal.signal(signal.SIGINT, _interrupted)
     try:
         written = follow_to_file(options, urls, key, out, cursor_file, progress=not quiet)
     except FeedError as exc:
@@ -307,6 +310,18 @@ def _follow(
         raise typer.Exit(1) from exc
     if not quiet:
         typer.echo(f"followed {written} rollouts into {out}", err=True)
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    """Ctrl-C while following: stop as usual, and end the process after 5 s if stopping has not. The
+    cursor is saved after each rollout and a half-written line is cut at the next start, so ending at
+    once loses nothing, while unwinding an HTTP read the interrupt cut can wait on a lock it left held."""
+    import os
+
+    timer = threading.Timer(5.0, os._exit, (130,))
+    timer.daemon = True
+    timer.start()
+    raise KeyboardInterrupt
 
 
 def export(

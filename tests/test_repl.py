@@ -88,17 +88,23 @@ def test_a_session_of_commands(site: str, tmp_path: Path) -> None:
 def test_ctrl_c_cancels_the_reply_not_the_program(site: str, tmp_path: Path) -> None:
     child = _spawn(site, "repl-stopper", tmp_path)
     _line(child, "/params max_new_tokens=2000 ignore_eos=true")
-    child.sendline("tell me everything")
-    child.expect("assistant>")
-    time.sleep(0.3)  # into the reply: 2,000 tokens take seconds, however idle the machine
-    child.sendintr()  # Ctrl-C
-    child.expect(r"\[cancelled\]")
+    for _ in range(5):
+        child.sendline("tell me everything")
+        child.expect("assistant>")
+        time.sleep(0.3)  # into the reply
+        child.sendintr()  # Ctrl-C
+        # ignore_eos keeps the end token from stopping it, but the trained model may write its turn
+        # closer before the Ctrl-C: then the prompt is back first, and the turn is asked again
+        if child.expect([r"\[cancelled\]", PROMPT]) == 0:
+            break
+    else:
+        pytest.fail("every reply ended before its Ctrl-C")
     child.expect(PROMPT)
     headers = {"Authorization": f"Bearer {_token(site, 'repl-stopper')}"}
     [chat] = httpx.get(f"{site}/chats", headers=headers).json()["chats"]
     msgs = httpx.get(f"{site}/chats/{chat['id']}", headers=headers).json()["messages"]
-    [reply] = [m for m in msgs if m["role"] == "assistant"]
-    assert reply["state"] == "cancelled" and reply["completion_token_count"] < 2000
+    [reply] = [m for m in msgs if m["role"] == "assistant" and m["state"] == "cancelled"]
+    assert reply["completion_token_count"] < 2000
     assert "assistant>" in _line(child, "/regen")  # the program goes on
     child.sendline("/quit")
     child.expect(pexpect.EOF)

@@ -276,7 +276,16 @@ class OpenAIUser:
                 else:  # when and where, to find it in the servers' logs (their clocks are this one's)
                     self.otally.cut += 1
                     when = time.strftime("%H:%M:%S")
-                    self.otally.cut_reasons[f"{repr(exc)[:120]} on {replica.name} at {when}"] += 1
+                    seen = self.otally.streamed.get(self.mid) if self.mid else None
+                    what = (
+                        f"message {self.mid}, {len(seen.token_ids) if seen else 0} tokens"
+                        if self.mid
+                        else "no chunk yet"
+                    )
+                    self.otally.cut_reasons[
+                        f"{repr(exc)[:120]} on {replica.name} at {when}"
+                        f" ({what}, {time.monotonic() - asked:.1f}s after asking)"
+                    ] += 1
                 if key is None:
                     break
                 cuts += 1  # the same request again, elsewhere: the same message, from its first token

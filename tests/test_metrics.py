@@ -26,10 +26,22 @@ def value(samples: dict[Any, float], name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
+def idle_scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A scrape once no message is pending or in progress: the stack is shared by the tests of one
+    xdist process, and a reply an earlier test left running would add its tokens to the counters."""
+    for _ in range(600):
+        samples = scrape(url)
+        states = ("pending", "in_progress")
+        if not any(value(samples, "tokentrail_cluster_open_messages", state=st) for st in states):
+            return samples
+        threading.Event().wait(0.1)
+    raise AssertionError("the shared stack still had open messages after 60 s")
+
+
 def test_metrics_follow_a_chat(embedded_stack: str) -> None:
     url = embedded_stack
     headers = login(url, "metrics-user")
-    before = scrape(url)
+    before = idle_scrape(url)
     assert value(before, "tokentrail_workers_connected", model=MODEL) == 1
     assert value(before, "tokentrail_cluster_workers", model=MODEL) == 1
 

@@ -28,9 +28,9 @@ if TYPE_CHECKING:
 os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
 # Tests of a minute or more are handed out first, and one at a time (``--maxschedchunk=1`` in
-# pyproject.toml): collected last (by file name) and sent in chunks, they left one xdist worker
-# finishing them while the other was idle. The vLLM ones (their engine spins on the cores) are spread
-# among the others so that the two workers rarely run two engines at once.
+# pyproject.toml): collected last (by file name) and sent in chunks, they could end the run on one
+# xdist worker while the other idled. The vLLM ones (their engine spins on the cores while it
+# generates) are spread among the others, so that the two workers are less often both running one.
 _LONG_FIRST = (
     "test_engine_contract.py::test_vllm_engine_contract",
     "test_rl_example.py",

@@ -277,11 +277,7 @@ class OpenAIUser:
                     self.otally.cut += 1
                     when = time.strftime("%H:%M:%S")
                     seen = self.otally.streamed.get(self.mid) if self.mid else None
-                    what = (
-                        f"message {self.mid}, {len(seen.token_ids) if seen else 0} tokens"
-                        if self.mid
-                        else "no chunk yet"
-                    )
+                    what = f"message {self.mid}, {len(seen.token_ids)} tokens" if seen else "no chunk yet"
                     self.otally.cut_reasons[
                         f"{repr(exc)[:120]} on {replica.name} at {when}"
                         f" ({what}, {time.monotonic() - asked:.1f}s after asking)"

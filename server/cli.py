@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import threading
 from collections.abc import Awaitable, Callable, Sequence
@@ -316,8 +317,6 @@ def _interrupted(signum: int, frame: object) -> None:
     """Ctrl-C while following: stop as usual, and end the process after 5 s if stopping has not (once a
     follower was seen still running 30 s after one; why was not found). The cursor is saved after each
     rollout and a half-written line is cut at the next start, so ending then loses nothing."""
-    import os
-
     timer = threading.Timer(5.0, os._exit, (130,))
     timer.daemon = True
     timer.start()

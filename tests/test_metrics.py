@@ -31,8 +31,7 @@ def idle_scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float
     xdist process, and a reply an earlier test left running would add its tokens to the counters."""
     for _ in range(600):
         samples = scrape(url)
-        states = ("pending", "in_progress")
-        if not any(value(samples, "tokentrail_cluster_open_messages", state=st) for st in states):
+        if not any(value(samples, "tokentrail_cluster_open_messages", state=st) for st in ("pending", "in_progress")):
             return samples
         threading.Event().wait(0.1)
     raise AssertionError("the shared stack still had open messages after 60 s")

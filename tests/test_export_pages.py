@@ -10,6 +10,7 @@ under several filters."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 from benchmarks.export import Ids, Rows, insert_rows, make_chats
+from server.export import fastpage
 from server.export.columnar import RolloutColumns, page_batch
 from server.export.jsonl import rollout_line
 from server.export.page_jsonl import page_lines
@@ -46,6 +48,18 @@ def _varied(rows: Rows) -> set[str]:
         if i % 11 == 2:
             m["tool_calls"] = [{"id": f"call_{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
             m["reasoning_content"] = 'thinking \u00e9 "quoted"\n'
+        if i % 11 == 3:  # the characters JSON escapes (but NUL: PostgreSQL text has none), and some it does not
+            m["content"] = "".join(map(chr, range(1, 0x20))) + '\x7f"\\/ \u00e9\u2028\U0001f600 end'
+        if i % 29 == 7:  # sampling parameters: none at all, or a temperature (an int, a float) and a seed of their own
+            work = dict(m["work_parameters"])
+            if i % 2:
+                del work["sampling_parameters"]
+            else:
+                work["sampling_parameters"] = dict(
+                    work["sampling_parameters"], temperature=0.7 if i % 4 else 1, seed=11
+                )
+                work["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+            m["work_parameters"] = work
         if i % 13 == 3:
             t["stop_reason"] = "s:</s>"
         if i % 17 == 4:
@@ -136,13 +150,19 @@ async def _compare(url: str, filters: ExportFilters, odd: set[str]) -> tuple[int
             for r in [r for chat in chats for r in rows_rollout_parts(*chat, filters, dec, PATHS)]:
                 columns.add(r)
             page = page_rollouts(chats, filters, dec, PATHS)
+            encoded = fastpage.encode_page(chats, filters, dec, PATHS)
             if page is None:
                 assert odd & {c[0] for c in chats}, "only a page with a logprob missing is left to rows_rollout_parts"
+                assert encoded is None
                 left += 1
                 continue
             at_once += 1
             compared += len(lines)
             assert page_lines(page, dec, filters.reward_rule) == lines
+            if fastpage.AVAILABLE:  # the compiled encoder: the same bytes
+                assert encoded is not None
+                assert encoded[1] == len(lines)
+                _same_bytes(encoded[0], b"".join(lines))
             batch = page_batch(page, dec, filters.reward_rule)
             expected = columns.batch()
             for name in expected.schema.names:
@@ -150,6 +170,14 @@ async def _compare(url: str, filters: ExportFilters, odd: set[str]) -> tuple[int
     finally:
         await conn.close()
     return at_once, compared, left
+
+
+def _same_bytes(got: bytes, expected: bytes) -> None:
+    if got != expected:
+        at = next(
+            (i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), min(len(got), len(expected))
+        )
+        raise AssertionError(f"differ at byte {at}:\n{got[at - 200 : at + 100]!r}\n{expected[at - 200 : at + 100]!r}")
 
 
 def _check(url: str) -> None:
@@ -180,3 +208,11 @@ def own_postgres() -> Iterator[str]:
 @pytest.mark.postgres
 def test_page_rollouts_are_the_one_by_one_rollouts_on_postgres(own_postgres: str) -> None:
     _check(own_postgres)
+
+
+def test_the_compiled_encoder_is_built() -> None:
+    """pip install builds server/export/_fastpage.c (setup.py); without it exports run ~2x slower, so a
+    build that silently failed shows here (unless the Python path is asked for)."""
+    if os.environ.get("TOKENTRAIL_EXPORT_PURE_PYTHON", "") not in ("", "0"):
+        pytest.skip("TOKENTRAIL_EXPORT_PURE_PYTHON is set")
+    assert fastpage.AVAILABLE, "server/export/_fastpage.c was not built: pip install -e . (needs a C compiler)"

@@ -25,6 +25,7 @@ from typing import Any, BinaryIO, Protocol
 
 import orjson
 
+from server.export.fastpage import encode_page
 from server.export.jsonl import rollout_line
 from server.export.page_jsonl import page_lines
 from server.export.page_rollouts import Chat, page_rollouts
@@ -217,6 +218,10 @@ class LinesEncoder(_PerRollout):
     def add_chats(
         self, chats: Sequence[Chat], filters: ExportFilters, dec: Decoders, paths: PolicyPaths
     ) -> tuple[int, int]:
+        if self.schema == SCHEMA_NAME and (encoded := encode_page(chats, filters, dec, paths)) is not None:
+            text, rollouts = encoded
+            self.lines.append(text)
+            return rollouts, rollouts
         page = page_rollouts(chats, filters, dec, paths) if self.schema == SCHEMA_NAME else None
         if page is None:  # a trainer schema, or a turn without a logprob per token
             return super().add_chats(chats, filters, dec, paths)

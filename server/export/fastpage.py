@@ -1,0 +1,102 @@
+"""A page of native rollouts as JSON lines by the compiled encoder (``_fastpage.c``, built by setup.py when
+the package is installed): the bytes ``page_rollouts`` + ``page_lines`` give, about ten times faster.
+
+The module is optional: without a C compiler at install time (or with ``TOKENTRAIL_EXPORT_PURE_PYTHON=1``)
+``encode_page`` is None and the export runs the Python page path. The C code reads the rows as
+``server/export/query.py`` lays them out (checked here at import) and asks Python, through the callables
+below, for what is not plain data: JSON columns, non-SQLite timestamps, floats and free-form values
+(orjson writes them, so the text is orjson's), and the filters that read dates or the version registry.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import orjson
+
+from server.chats.repository import decode_stop_reason
+from server.export.page_rollouts import Chat
+from server.export.query import (
+    M_DONE,
+    M_ID,
+    M_POLICY,
+    MSG_COLUMNS,
+    T_METHOD,
+    T_SYNTH,
+    TOKEN_COLUMNS,
+    Decoders,
+    ExportFilters,
+    PolicyPaths,
+)
+from server.export.rollouts import leaf_passes, recent_enough
+from shared.rollout import SCHEMA_NAME, SCHEMA_VERSION
+
+_native: Any = None
+if os.environ.get("TOKENTRAIL_EXPORT_PURE_PYTHON", "") in ("", "0"):
+    try:
+        from server.export import _fastpage as _native  # type: ignore[attr-defined, no-redef]
+    except ImportError:  # not built: the Python page path
+        _native = None
+
+_LAYOUT = {"M_COUNT": len(MSG_COLUMNS), "T_COUNT": len(TOKEN_COLUMNS)} | {
+    "M_ID": M_ID,
+    "M_POLICY": M_POLICY,
+    "M_DONE": M_DONE,
+    "T_SYNTH": T_SYNTH,
+    "T_METHOD": T_METHOD,
+}
+if _native is not None and any(getattr(_native, name) != value for name, value in _LAYOUT.items()):
+    raise ImportError("server/export/_fastpage.c reads another row layout than server/export/query.py")
+
+AVAILABLE = _native is not None
+_HEAD = orjson.dumps({"schema": SCHEMA_NAME, "schema_version": SCHEMA_VERSION})[:-1]
+_STOP_TEXTS: dict[Any, bytes] = {}  # raw stop reason -> its JSON text (a few distinct values)
+_NUMPY = orjson.OPT_SERIALIZE_NUMPY
+
+
+def _floats(blob: bytes) -> bytes:
+    """Float32 logprobs widened to float64, as JSON (what ``page_lines`` prints: null where not finite)."""
+    return orjson.dumps(np.frombuffer(blob, "<f4").astype(np.float64), option=_NUMPY)
+
+
+def encode_page(
+    chats: Sequence[Chat], filters: ExportFilters, dec: Decoders, paths: PolicyPaths
+) -> tuple[bytes, int] | None:
+    """The JSON lines of the rollouts of ``chats`` (``page_chats``) and their number, or None where the
+    compiled encoder is not available or leaves the page to the Python path (a turn whose logprobs do
+    not line up with its completion, a value of a shape it does not take)."""
+    if _native is None:
+        return None
+    by_leaf: Callable[[Any], bool] | None = None
+    if filters.model is not None or filters.since is not None or filters.until is not None:
+        by_leaf = lambda leaf: leaf_passes(leaf, filters, dec)  # noqa: E731
+    by_versions: Callable[[list[int], Any], bool] | None = None
+    if filters.min_version is not None or filters.max_staleness is not None:
+        by_versions = lambda used, model: recent_enough(used, model or "", filters, paths)  # noqa: E731
+
+    def created(raw: Any) -> str | None:
+        value = dec.datetime(raw)
+        return value.isoformat() if value else None
+
+    result: tuple[bytes, int] | None = _native.encode_page(
+        chats,
+        filters.rated_only,
+        filters.include_incomplete,
+        filters.reward_rule,
+        filters.min_score,
+        by_leaf,
+        by_versions,
+        paths.path,
+        dec.json,
+        created,
+        decode_stop_reason,
+        orjson.dumps,
+        _floats,
+        _HEAD,
+        orjson.dumps(filters.reward_rule),
+        _STOP_TEXTS,
+    )
+    return result

@@ -3,7 +3,7 @@
 FROM python:3.11-slim
 WORKDIR /app
 COPY . /app
-# gcc builds the export's page encoder (server/export/_fastpage.c), then leaves the image
+# gcc builds the export's page encoder (server/export/fastpage_c/), then leaves the image
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && pip install --no-cache-dir -e . \
     && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/*

@@ -211,8 +211,8 @@ def test_page_rollouts_are_the_one_by_one_rollouts_on_postgres(own_postgres: str
 
 
 def test_the_compiled_encoder_is_built() -> None:
-    """pip install builds server/export/_fastpage.c (setup.py); without it exports run ~2x slower, so a
+    """pip install builds server/export/fastpage_c/ (setup.py); without it exports run ~2x slower, so a
     build that silently failed shows here (unless the Python path is asked for)."""
     if os.environ.get("TOKENTRAIL_EXPORT_PURE_PYTHON", "") not in ("", "0"):
         pytest.skip("TOKENTRAIL_EXPORT_PURE_PYTHON is set")
-    assert fastpage.AVAILABLE, "server/export/_fastpage.c was not built: pip install -e . (needs a C compiler)"
+    assert fastpage.AVAILABLE, "server/export/fastpage_c/ was not built: pip install -e . (needs a C compiler)"

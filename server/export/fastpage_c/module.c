@@ -1,0 +1,90 @@
+/* server.export._fastpage: a page of native rollouts as JSON lines, built and written in C: the bytes of
+ * ``page_rollouts`` + ``page_lines`` (server/export/page_rollouts.py, page_jsonl.py) for the same rows.
+ *
+ * The Python page path spends its time on objects made per turn and per rollout (dicts, lists, slices,
+ * Fragments); here the rows are read where they are and the JSON is written into one buffer. What is
+ * not plain data is still done by Python, through callables the caller passes: JSON columns are parsed
+ * by ``Decoders.json``, non-SQLite timestamps by ``Decoders.datetime``, floats and free-form values
+ * (sampling parameters, tool calls, tools) written by orjson, the filters that read dates or the
+ * version registry asked of their Python functions. Anything this code does not expect (a value of
+ * another shape, a turn whose logprobs do not line up with its completion) makes it return None, and
+ * the caller builds that page the Python way; tests/test_export_pages.py compares the bytes of both.
+ */
+#include "page.h"
+
+PyObject *K_SAMPLING, *K_SEED, *K_TEMPERATURE, *K_SYSTEM_PROMPT, *K_TOOLS, *SUM;
+
+static PyObject *encode_page(PyObject *self, PyObject *args) {
+    PyObject *chats, *min_score;
+    const char *rule;
+    Opts o = {0};
+    if (!PyArg_ParseTuple(args, "OppsOOOOOOOOOOSO!", &chats, &o.rated_only, &o.include_incomplete, &rule,
+                          &min_score, &o.leaf_passes, &o.recent_enough, &o.path, &o.json, &o.created,
+                          &o.stop_reason, &o.dumps, &o.floats, &o.head, &o.rule_text, &PyDict_Type,
+                          &o.stop_cache))
+        return NULL;
+    if (!strcmp(rule, "last")) o.rule = RULE_LAST;
+    else if (!strcmp(rule, "mean")) o.rule = RULE_MEAN;
+    else if (!strcmp(rule, "min")) o.rule = RULE_MIN;
+    else if (!strcmp(rule, "leaf")) o.rule = RULE_LEAF;
+    else return PyErr_Format(PyExc_ValueError, "unknown reward rule %s", rule);
+    if (min_score != Py_None) {
+        o.has_min_score = 1;
+        o.min_score = PyFloat_AsDouble(min_score);
+        if (o.min_score == -1.0 && PyErr_Occurred()) return NULL;
+    }
+    PyObject *seq = PySequence_Fast(chats, "chats");
+    if (!seq) return NULL;
+    Page p = {0};
+    p.o = &o;
+    PyObject *result = NULL;
+    int rc = 0;
+    if (!(p.index = PyDict_New()) || !(o.decoded = PyDict_New()) || !(o.samplings = PyDict_New())) goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t i = 0; i < n && rc == 0; i++) rc = add_chat(&p, PySequence_Fast_GET_ITEM(seq, i));
+    if (rc == -1) goto done;
+    if (rc) {  /* a page this code does not take: the Python builder */
+        Py_INCREF(Py_None);
+        result = Py_None;
+        goto done;
+    }
+    PyObject *text = page_jsonl(&p);
+    if (text) result = Py_BuildValue("(Nn)", text, p.n_rollouts);
+done:
+    page_free(&p);
+    Py_XDECREF(o.decoded);
+    Py_XDECREF(o.samplings);
+    Py_DECREF(seq);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"encode_page", encode_page, METH_VARARGS,
+     "encode_page(chats, rated_only, include_incomplete, reward_rule, min_score, leaf_passes, recent_enough, "
+     "path, json, created, stop_reason, dumps, floats, head, rule_text, stop_cache) -> (bytes, rollouts) | None"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fastpage", NULL, -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__fastpage(void) {
+    K_SAMPLING = PyUnicode_InternFromString("sampling_parameters");
+    K_SEED = PyUnicode_InternFromString("seed");
+    K_TEMPERATURE = PyUnicode_InternFromString("temperature");
+    K_SYSTEM_PROMPT = PyUnicode_InternFromString("system_prompt");
+    K_TOOLS = PyUnicode_InternFromString("tools");
+    PyObject *builtins = PyEval_GetBuiltins();  /* borrowed */
+    SUM = builtins ? PyDict_GetItemString(builtins, "sum") : NULL;
+    if (!K_SAMPLING || !K_SEED || !K_TEMPERATURE || !K_SYSTEM_PROMPT || !K_TOOLS || !SUM) return NULL;
+    Py_INCREF(SUM);
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    if (PyModule_AddIntConstant(m, "M_COUNT", M_COUNT) < 0 || PyModule_AddIntConstant(m, "T_COUNT", T_COUNT) < 0 ||
+        PyModule_AddIntConstant(m, "M_DONE", M_DONE) < 0 || PyModule_AddIntConstant(m, "T_METHOD", T_METHOD) < 0 ||
+        PyModule_AddIntConstant(m, "M_ID", M_ID) < 0 || PyModule_AddIntConstant(m, "M_POLICY", M_POLICY) < 0 ||
+        PyModule_AddIntConstant(m, "T_SYNTH", T_SYNTH) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

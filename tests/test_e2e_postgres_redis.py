@@ -19,7 +19,8 @@ import pytest
 
 from server.settings import ServerSettings
 from tests.stack import MODEL, wait_for, worker_key
-from tests.test_e2e_embedded import events, login
+from tests.test_e2e_embedded import events as read_events
+from tests.test_e2e_embedded import login
 from tokentrail.launcher import free_port, spawn
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.slow]
@@ -27,11 +28,40 @@ pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.slow]
 SECRET = "test-secret-0123456789abcdef"
 
 
+LOGS: list[Path] = []  # the cluster's log directory, once it runs
+
+
+def events(url: str, path: str, headers: dict[str, str], **kwargs: Any) -> list[dict[str, Any]]:
+    """``read_events`` within 120 s; past that (a stream that never ends: seen under a loaded machine),
+    a failure that carries the end of the cluster's logs."""
+    done: list[list[dict[str, Any]]] = []
+    failed: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            done.append(read_events(url, path, headers, **kwargs))
+        except BaseException as exc:  # handed to the test's thread
+            failed.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout=120)
+    if failed:
+        raise failed[0]
+    if not done:
+        tails = "\n".join(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+                          for log in sorted(LOGS[0].glob("*.log")))  # fmt: skip
+        record = httpx.get(f"{url}{path.removesuffix('/events')}", headers=headers).text
+        raise AssertionError(f"no final event on {url}{path} in 120 s; the message: {record}\n{tails}")
+    return done[0]
+
+
 @pytest.fixture(scope="module")
 def cluster(
     postgres_url: str, redis_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, str]]:
     logs = tmp_path_factory.mktemp("logs")
+    LOGS[:] = [logs]
     env = {
         "TOKENTRAIL_DATABASE_URL": postgres_url,
         "TOKENTRAIL_REDIS_URL": redis_url,

@@ -46,7 +46,8 @@ def _varied(rows: Rows) -> set[str]:
             n = len(t["completion_ids"]) // 4
             m["policy_versions"] = [[0, 1], [n // 2, 2]] if n > 1 else [[0, 2]]
         if i % 11 == 2:
-            m["tool_calls"] = [{"id": f"call_{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+            call = f"call_{i}" + "0" * 20 * (i % 2)  # (a run of 20 digits: read by json, not orjson)
+            m["tool_calls"] = [{"id": call, "type": "function", "function": {"name": "f", "arguments": "{}"}}]
             m["reasoning_content"] = 'thinking \u00e9 "quoted"\n'
         if i % 11 == 3:  # the characters JSON escapes (but NUL: PostgreSQL text has none), and some it does not
             m["content"] = "".join(map(chr, range(1, 0x20))) + '\x7f"\\/ \u00e9\u2028\U0001f600 end'

@@ -31,6 +31,7 @@ from server.export.query import (
     Decoders,
     ExportFilters,
     PolicyPaths,
+    json_loads,
 )
 from server.export.rollouts import leaf_passes, recent_enough
 from shared.rollout import SCHEMA_NAME, SCHEMA_VERSION
@@ -92,6 +93,7 @@ def encode_page(
         by_versions,
         paths.path,
         dec.json,
+        orjson.loads if dec.json is json_loads else None,
         created,
         decode_stop_reason,
         orjson.dumps,

@@ -18,8 +18,8 @@ static PyObject *encode_page(PyObject *self, PyObject *args) {
     PyObject *chats, *min_score;
     const char *rule;
     Opts o = {0};
-    if (!PyArg_ParseTuple(args, "OppsOOOOOOOOOOSO!", &chats, &o.rated_only, &o.include_incomplete, &rule,
-                          &min_score, &o.leaf_passes, &o.recent_enough, &o.path, &o.json, &o.created,
+    if (!PyArg_ParseTuple(args, "OppsOOOOOOOOOOOSO!", &chats, &o.rated_only, &o.include_incomplete, &rule,
+                          &min_score, &o.leaf_passes, &o.recent_enough, &o.path, &o.json, &o.loads, &o.created,
                           &o.stop_reason, &o.dumps, &o.floats, &o.head, &o.rule_text, &PyDict_Type,
                           &o.stop_cache))
         return NULL;
@@ -61,7 +61,7 @@ done:
 static PyMethodDef methods[] = {
     {"encode_page", encode_page, METH_VARARGS,
      "encode_page(chats, rated_only, include_incomplete, reward_rule, min_score, leaf_passes, recent_enough, "
-     "path, json, created, stop_reason, dumps, floats, head, rule_text, stop_cache) -> (bytes, rollouts) | None"},
+     "path, json, loads, created, stop_reason, dumps, floats, head, rule_text, stop_cache) -> (bytes, rollouts) | None"},
     {NULL, NULL, 0, NULL},
 };
 

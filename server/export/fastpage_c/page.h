@@ -25,6 +25,7 @@ typedef struct {
     PyObject *recent_enough;  /* callable(used versions, model) -> bool, or None: no version filter */
     PyObject *path;           /* callable(model, version) -> str | None */
     PyObject *json;           /* Decoders.json */
+    PyObject *loads;          /* orjson.loads where json is _json_loads (its checks made in C), else None */
     PyObject *created;        /* callable(raw created_at) -> str | None (not SQLite's text) */
     PyObject *stop_reason;    /* decode_stop_reason */
     PyObject *dumps;          /* callable(value) -> bytes: orjson.dumps */

@@ -2,6 +2,27 @@
  * builds, the same filters, leaves, paths, shared turns and rewards. */
 #include "page.h"
 
+/* ``_json_loads`` (server/export/query.py) of a str, its checks in C: orjson's reading unless the text
+ * holds a run of 19 digits (maybe an integer beyond 64 bits) or orjson refuses it (NaN, ...): then the
+ * decoder's own. New reference */
+static PyObject *loads(Opts *o, PyObject *raw) {
+    Py_ssize_t n;
+    const char *s = PyUnicode_AsUTF8AndSize(raw, &n);
+    if (!s) return NULL;
+    if (n == 4 && memcmp(s, "null", 4) == 0) Py_RETURN_NONE;
+    int run = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        run = s[i] >= '0' && s[i] <= '9' ? run + 1 : 0;
+        if (run >= 19) return PyObject_CallOneArg(o->json, raw);
+    }
+    PyObject *value = PyObject_CallOneArg(o->loads, raw);
+    if (!value && PyErr_ExceptionMatches(PyExc_ValueError)) {
+        PyErr_Clear();
+        value = PyObject_CallOneArg(o->json, raw);
+    }
+    return value;
+}
+
 /* ``Decoders.json`` of a raw JSON column, once per distinct text in the page: new reference */
 PyObject *decode(Opts *o, PyObject *raw) {
     if (raw == Py_None) Py_RETURN_NONE;  /* (every decoder's None) */
@@ -14,7 +35,7 @@ PyObject *decode(Opts *o, PyObject *raw) {
         PyErr_Clear();
         return PyObject_CallOneArg(o->json, raw);
     }
-    value = PyObject_CallOneArg(o->json, raw);
+    value = o->loads != Py_None && PyUnicode_CheckExact(raw) ? loads(o, raw) : PyObject_CallOneArg(o->json, raw);
     if (value && PyDict_SetItem(o->decoded, raw, value) < 0) Py_CLEAR(value);
     return value;
 }

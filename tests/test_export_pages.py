@@ -154,7 +154,7 @@ async def _compare(url: str, filters: ExportFilters, odd: set[str]) -> tuple[int
             encoded = fastpage.encode_page(chats, filters, dec, PATHS)
             if page is None:
                 assert odd & {c[0] for c in chats}, "only a page with a logprob missing is left to rows_rollout_parts"
-                assert encoded is None
+                assert encoded is None and fastpage.arrow_batch(chats, filters, dec, PATHS) is None
                 left += 1
                 continue
             at_once += 1
@@ -168,6 +168,12 @@ async def _compare(url: str, filters: ExportFilters, odd: set[str]) -> tuple[int
             expected = columns.batch()
             for name in expected.schema.names:
                 assert batch.column(name).equals(expected.column(name)), name
+            if fastpage.AVAILABLE:  # the compiled encoder's columns: the same values
+                native = fastpage.arrow_batch(chats, filters, dec, PATHS)
+                assert native is not None and native.schema.equals(expected.schema)
+                native.validate(full=True)
+                for name in expected.schema.names:
+                    assert native.column(name).equals(expected.column(name)), name
     finally:
         await conn.close()
     return at_once, compared, left

@@ -60,3 +60,19 @@ def _validity(valid: np.ndarray[Any, Any] | None) -> tuple[pa.Buffer | None, int
         return None, 0
     nulls = len(valid) - int(np.count_nonzero(valid))
     return (pa.py_buffer(np.packbits(valid, bitorder="little")), nulls) if nulls else (None, 0)
+
+
+def strings(offsets: bytes | None, data: bytes, valid: bytes | None) -> pa.Array:
+    """A string array from its int32 offsets (None: no rows), UTF-8 data and validity bytes (one per
+    row, 0 for null; None: no nulls)."""
+    offsets = offsets or b"\0\0\0\0"
+    n = len(offsets) // 4 - 1
+    bitmap, nulls = _validity(None if valid is None else np.frombuffer(valid, bool))
+    return pa.Array.from_buffers(pa.string(), n, [bitmap, pa.py_buffer(offsets), pa.py_buffer(data)], nulls)
+
+
+def booleans(values: bytes, valid: bytes | None) -> pa.Array:
+    """A boolean array from one byte per row (0: false) and validity bytes (as ``strings``)."""
+    bits = np.packbits(np.frombuffer(values, bool), bitorder="little")
+    bitmap, nulls = _validity(None if valid is None else np.frombuffer(valid, bool))
+    return pa.Array.from_buffers(pa.bool_(), len(values), [bitmap, pa.py_buffer(bits)], nulls)

@@ -16,7 +16,7 @@ import numpy as np
 import orjson
 import pyarrow as pa
 
-from server.export.arrays import column, lists, primitive
+from server.export.arrays import booleans, column, lists, primitive, strings
 from server.export.page_rollouts import PageRollouts, PageTurns, rollout_heads, scalar_columns
 from server.export.query import Decoders
 from server.export.rollouts import TO_FILL
@@ -311,3 +311,35 @@ def _page_sample_structs(page: PageRollouts) -> pa.StructArray:
     for name, (runs, counts) in (("loss_mask", mask_runs), ("policy_versions", version_runs)):
         children[name] = lists(lengths, primitive(np.repeat(np.asarray(runs, np.int32), counts), pa.int32()))
     return pa.StructArray.from_arrays([children[f.name] for f in SAMPLE_TYPE], fields=list(SAMPLE_TYPE))
+
+
+def native_batch(
+    columns: dict[str, tuple[bytes, bytes | None, bytes | None]], n: int, reward_rule: str
+) -> pa.RecordBatch:
+    """The record batch of a page from the compiled encoder's column buffers (``fastpage.arrow_batch``):
+    a column's values, string offsets and validity under its name, a list's row lengths under its name
+    and its items under ``name.items`` (a list of structs: its fields under ``name.field``)."""
+
+    def build(path: str, type_: pa.DataType) -> pa.Array:
+        values, offsets, valid = columns[path]
+        if pa.types.is_list(type_):
+            lengths = np.frombuffer(values, np.int32)
+            item = type_.value_type
+            if pa.types.is_struct(item):
+                children = [build(f"{path}.{f.name}", f.type) for f in item]
+                return lists(lengths, pa.StructArray.from_arrays(children, fields=list(item)))
+            return lists(lengths, build(f"{path}.items", item))
+        if pa.types.is_string(type_):
+            return strings(offsets, values, valid)
+        if pa.types.is_boolean(type_):
+            return booleans(values, valid)
+        mask = None if valid is None else np.frombuffer(valid, bool)
+        return primitive(np.frombuffer(values, type_.to_pandas_dtype()), type_, mask)
+
+    fixed = {
+        "schema": column([SCHEMA_NAME] * n, pa.string()),
+        "schema_version": column([SCHEMA_VERSION] * n, pa.int64()),
+        "reward_rule": column([reward_rule] * n, pa.string()),
+    }
+    arrays = [fixed[f.name] if f.name in fixed else build(f.name, f.type) for f in ROLLOUT_SCHEMA]
+    return pa.RecordBatch.from_arrays(arrays, schema=ROLLOUT_SCHEMA)

@@ -64,14 +64,8 @@ def _floats(blob: bytes) -> bytes:
     return orjson.dumps(np.frombuffer(blob, "<f4").astype(np.float64), option=_NUMPY)
 
 
-def encode_page(
-    chats: Sequence[Chat], filters: ExportFilters, dec: Decoders, paths: PolicyPaths
-) -> tuple[bytes, int] | None:
-    """The JSON lines of the rollouts of ``chats`` (``page_chats``) and their number, or None where the
-    compiled encoder is not available or leaves the page to the Python path (a turn whose logprobs do
-    not line up with its completion, a value of a shape it does not take)."""
-    if _native is None:
-        return None
+def _args(chats: Sequence[Chat], filters: ExportFilters, dec: Decoders, paths: PolicyPaths) -> tuple[Any, ...]:
+    """The compiled builder's arguments (module.c's ``build``)."""
     by_leaf: Callable[[Any], bool] | None = None
     if filters.model is not None or filters.since is not None or filters.until is not None:
         by_leaf = lambda leaf: leaf_passes(leaf, filters, dec)  # noqa: E731
@@ -83,7 +77,7 @@ def encode_page(
         value = dec.datetime(raw)
         return value.isoformat() if value else None
 
-    result: tuple[bytes, int] | None = _native.encode_page(
+    return (
         chats,
         filters.rated_only,
         filters.include_incomplete,
@@ -102,4 +96,29 @@ def encode_page(
         orjson.dumps(filters.reward_rule),
         _STOP_TEXTS,
     )
+
+
+def encode_page(
+    chats: Sequence[Chat], filters: ExportFilters, dec: Decoders, paths: PolicyPaths
+) -> tuple[bytes, int] | None:
+    """The JSON lines of the rollouts of ``chats`` (``page_chats``) and their number, or None where the
+    compiled encoder is not available or leaves the page to the Python path (a turn whose logprobs do
+    not line up with its completion, a value of a shape it does not take)."""
+    if _native is None:
+        return None
+    result: tuple[bytes, int] | None = _native.encode_page(*_args(chats, filters, dec, paths))
     return result
+
+
+def arrow_batch(chats: Sequence[Chat], filters: ExportFilters, dec: Decoders, paths: PolicyPaths) -> Any:
+    """The record batch ``page_batch`` makes of the rollouts of ``chats``, built by the compiled encoder
+    (None: as ``encode_page``)."""
+    if _native is None:
+        return None
+    built = _native.arrow_page(*_args(chats, filters, dec, paths))
+    if built is None:
+        return None
+    from server.export.columnar import native_batch
+
+    columns, rollouts = built
+    return native_batch(columns, rollouts, filters.reward_rule)

@@ -25,7 +25,7 @@ from typing import Any, BinaryIO, Protocol
 
 import orjson
 
-from server.export.fastpage import encode_page
+from server.export.fastpage import arrow_batch, encode_page
 from server.export.jsonl import rollout_line
 from server.export.page_jsonl import page_lines
 from server.export.page_rollouts import Chat, page_rollouts
@@ -275,6 +275,11 @@ class ArrowEncoder(_PerRollout):
         """One page's chats (an encoder per page: ``server/export/parallel.py``)."""
         from server.export.columnar import page_batch
 
+        if not self.columns.rollouts and self.page is None:
+            built = arrow_batch(chats, filters, dec, paths)
+            if built is not None:
+                self.page = built
+                return built.num_rows, built.num_rows
         page = page_rollouts(chats, filters, dec, paths)
         if page is None or self.page is not None or self.columns.rollouts:  # a turn without a logprob per token
             return super().add_chats(chats, filters, dec, paths)

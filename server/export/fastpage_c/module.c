@@ -14,54 +14,74 @@
 
 PyObject *K_SAMPLING, *K_SEED, *K_TEMPERATURE, *K_SYSTEM_PROMPT, *K_TOOLS, *SUM;
 
-static PyObject *encode_page(PyObject *self, PyObject *args) {
+/* the page of the arguments' chats, built into ``p``: 0, 1 a page this code does not take (the Python
+ * builder), -1 error. The caller frees ``p`` and ``o``'s dicts (page_done) */
+static int build(PyObject *args, Opts *o, Page *p) {
     PyObject *chats, *min_score;
     const char *rule;
-    Opts o = {0};
-    if (!PyArg_ParseTuple(args, "OppsOOOOOOOOOOOSO!", &chats, &o.rated_only, &o.include_incomplete, &rule,
-                          &min_score, &o.leaf_passes, &o.recent_enough, &o.path, &o.json, &o.loads, &o.created,
-                          &o.stop_reason, &o.dumps, &o.floats, &o.head, &o.rule_text, &PyDict_Type,
-                          &o.stop_cache))
-        return NULL;
-    if (!strcmp(rule, "last")) o.rule = RULE_LAST;
-    else if (!strcmp(rule, "mean")) o.rule = RULE_MEAN;
-    else if (!strcmp(rule, "min")) o.rule = RULE_MIN;
-    else if (!strcmp(rule, "leaf")) o.rule = RULE_LEAF;
-    else return PyErr_Format(PyExc_ValueError, "unknown reward rule %s", rule);
-    if (min_score != Py_None) {
-        o.has_min_score = 1;
-        o.min_score = PyFloat_AsDouble(min_score);
-        if (o.min_score == -1.0 && PyErr_Occurred()) return NULL;
+    if (!PyArg_ParseTuple(args, "OppsOOOOOOOOOOOSO!", &chats, &o->rated_only, &o->include_incomplete, &rule,
+                          &min_score, &o->leaf_passes, &o->recent_enough, &o->path, &o->json, &o->loads,
+                          &o->created, &o->stop_reason, &o->dumps, &o->floats, &o->head, &o->rule_text,
+                          &PyDict_Type, &o->stop_cache))
+        return -1;
+    if (!strcmp(rule, "last")) o->rule = RULE_LAST;
+    else if (!strcmp(rule, "mean")) o->rule = RULE_MEAN;
+    else if (!strcmp(rule, "min")) o->rule = RULE_MIN;
+    else if (!strcmp(rule, "leaf")) o->rule = RULE_LEAF;
+    else {
+        PyErr_Format(PyExc_ValueError, "unknown reward rule %s", rule);
+        return -1;
     }
+    if (min_score != Py_None) {
+        o->has_min_score = 1;
+        o->min_score = PyFloat_AsDouble(min_score);
+        if (o->min_score == -1.0 && PyErr_Occurred()) return -1;
+    }
+    p->o = o;
+    if (!(p->index = PyDict_New()) || !(o->decoded = PyDict_New()) || !(o->samplings = PyDict_New())) return -1;
     PyObject *seq = PySequence_Fast(chats, "chats");
-    if (!seq) return NULL;
-    Page p = {0};
-    p.o = &o;
-    PyObject *result = NULL;
+    if (!seq) return -1;
     int rc = 0;
-    if (!(p.index = PyDict_New()) || !(o.decoded = PyDict_New()) || !(o.samplings = PyDict_New())) goto done;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    for (Py_ssize_t i = 0; i < n && rc == 0; i++) rc = add_chat(&p, PySequence_Fast_GET_ITEM(seq, i));
-    if (rc == -1) goto done;
-    if (rc) {  /* a page this code does not take: the Python builder */
+    for (Py_ssize_t i = 0; i < n && rc == 0; i++) rc = add_chat(p, PySequence_Fast_GET_ITEM(seq, i));
+    Py_DECREF(seq);  /* (the rows stay alive: the caller holds the chats) */
+    return rc == -1 ? -1 : rc ? 1 : 0;
+}
+
+static void page_done(Opts *o, Page *p) {
+    page_free(p);
+    Py_XDECREF(o->decoded);
+    Py_XDECREF(o->samplings);
+}
+
+/* build, then write with ``writer``: (its result, rollouts), or None for the Python path */
+static PyObject *run(PyObject *args, PyObject *(*writer)(Page *)) {
+    Opts o = {0};
+    Page p = {0};
+    PyObject *result = NULL;
+    int rc = build(args, &o, &p);
+    if (rc == 1) {
         Py_INCREF(Py_None);
         result = Py_None;
-        goto done;
+    } else if (rc == 0) {
+        PyObject *written = writer(&p);
+        if (written == Py_None) result = written;
+        else if (written) result = Py_BuildValue("(Nn)", written, p.n_rollouts);
     }
-    PyObject *text = page_jsonl(&p);
-    if (text) result = Py_BuildValue("(Nn)", text, p.n_rollouts);
-done:
-    page_free(&p);
-    Py_XDECREF(o.decoded);
-    Py_XDECREF(o.samplings);
-    Py_DECREF(seq);
+    page_done(&o, &p);
     return result;
 }
+
+static PyObject *encode_page(PyObject *self, PyObject *args) { return run(args, page_jsonl); }
+
+static PyObject *arrow_page(PyObject *self, PyObject *args) { return run(args, page_arrow); }
 
 static PyMethodDef methods[] = {
     {"encode_page", encode_page, METH_VARARGS,
      "encode_page(chats, rated_only, include_incomplete, reward_rule, min_score, leaf_passes, recent_enough, "
      "path, json, loads, created, stop_reason, dumps, floats, head, rule_text, stop_cache) -> (bytes, rollouts) | None"},
+    {"arrow_page", arrow_page, METH_VARARGS,
+     "arrow_page(the arguments of encode_page) -> ({column: (values, offsets, validity)}, rollouts) | None"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -96,6 +96,10 @@ void page_free(Page *p);
 
 /* page_jsonl.c */
 int buf_value(Buf *b, Opts *o, PyObject *v);
+int buf_stop(Buf *b, Opts *o, PyObject *raw);
 PyObject *page_jsonl(Page *p);
+
+/* page_arrow.c */
+PyObject *page_arrow(Page *p);
 
 #endif

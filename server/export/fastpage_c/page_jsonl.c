@@ -133,7 +133,7 @@ static int buf_float(Buf *b, Opts *o, PyObject *x) {
     return x ? buf_value(b, o, x) : PUT_LIT(b, "null");
 }
 
-static int buf_stop(Buf *b, Opts *o, PyObject *raw) {
+int buf_stop(Buf *b, Opts *o, PyObject *raw) {
     if (raw == Py_None) return PUT_LIT(b, "null");
     PyObject *text = PyDict_GetItemWithError(o->stop_cache, raw);
     if (text) return buf_put(b, PyBytes_AS_STRING(text), PyBytes_GET_SIZE(text));

@@ -10,6 +10,7 @@ under several filters."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -200,7 +201,35 @@ def _check(url: str) -> None:
 
 
 def test_page_rollouts_are_the_one_by_one_rollouts_on_sqlite(tmp_path: Path) -> None:
-    _check(f"sqlite+aiosqlite:///{tmp_path / 'pages.db'}")
+    url = f"sqlite+aiosqlite:///{tmp_path / 'pages.db'}"
+    _check(url)
+    asyncio.run(_no_cycles(url))
+
+
+async def _no_cycles(url: str) -> None:
+    """Encoding a page leaves no reference cycle: export workers run without the cycle collector
+    (``gc.disable``), so a cycle would keep each page's buffers to the end of the export."""
+    from server.db import create_engine
+    from server.export.writers import ArrowEncoder, LinesEncoder
+
+    engine = create_engine(url)
+    filters = ExportFilters()
+    queries = page_queries(engine, filters)
+    await engine.dispose()
+    conn = await connect(queries)
+    gc.collect()
+    gc.disable()
+    try:
+        for after, last in (await page_bounds(conn, queries, 40))[:2]:
+            chats = [chat async for chat in page_chats(conn, queries, after, last)]
+            for encoder in (ArrowEncoder(), LinesEncoder("tokentrail")):
+                encoder.add_chats(chats, filters, queries.decoders, PATHS)
+                encoder.payload()
+            del chats, encoder
+            assert gc.collect() == 0, "encoding a page made a reference cycle"
+    finally:
+        gc.enable()
+        await conn.close()
 
 
 @pytest.fixture(scope="module")

@@ -313,33 +313,36 @@ def _page_sample_structs(page: PageRollouts) -> pa.StructArray:
     return pa.StructArray.from_arrays([children[f.name] for f in SAMPLE_TYPE], fields=list(SAMPLE_TYPE))
 
 
-def native_batch(
-    columns: dict[str, tuple[bytes, bytes | None, bytes | None]], n: int, reward_rule: str
-) -> pa.RecordBatch:
+Buffers = dict[str, tuple[bytes, bytes | None, bytes | None]]  # column -> (values, offsets, validity)
+
+
+def native_batch(columns: Buffers, n: int, reward_rule: str) -> pa.RecordBatch:
     """The record batch of a page from the compiled encoder's column buffers (``fastpage.arrow_batch``):
     a column's values, string offsets and validity under its name, a list's row lengths under its name
     and its items under ``name.items`` (a list of structs: its fields under ``name.field``)."""
-
-    def build(path: str, type_: pa.DataType) -> pa.Array:
-        values, offsets, valid = columns[path]
-        if pa.types.is_list(type_):
-            lengths = np.frombuffer(values, np.int32)
-            item = type_.value_type
-            if pa.types.is_struct(item):
-                children = [build(f"{path}.{f.name}", f.type) for f in item]
-                return lists(lengths, pa.StructArray.from_arrays(children, fields=list(item)))
-            return lists(lengths, build(f"{path}.items", item))
-        if pa.types.is_string(type_):
-            return strings(offsets, values, valid)
-        if pa.types.is_boolean(type_):
-            return booleans(values, valid)
-        mask = None if valid is None else np.frombuffer(valid, bool)
-        return primitive(np.frombuffer(values, type_.to_pandas_dtype()), type_, mask)
-
     fixed = {
         "schema": column([SCHEMA_NAME] * n, pa.string()),
         "schema_version": column([SCHEMA_VERSION] * n, pa.int64()),
         "reward_rule": column([reward_rule] * n, pa.string()),
     }
-    arrays = [fixed[f.name] if f.name in fixed else build(f.name, f.type) for f in ROLLOUT_SCHEMA]
+    arrays = [fixed[f.name] if f.name in fixed else _native_array(columns, f.name, f.type) for f in ROLLOUT_SCHEMA]
     return pa.RecordBatch.from_arrays(arrays, schema=ROLLOUT_SCHEMA)
+
+
+def _native_array(columns: Buffers, path: str, type_: pa.DataType) -> pa.Array:
+    # (a module function, not a closure: a recursive closure is a reference cycle, and export workers run
+    # without the cycle collector, so it would keep every page's buffers)
+    values, offsets, valid = columns[path]
+    if pa.types.is_list(type_):
+        lengths = np.frombuffer(values, np.int32)
+        item = type_.value_type
+        if pa.types.is_struct(item):
+            children = [_native_array(columns, f"{path}.{f.name}", f.type) for f in item]
+            return lists(lengths, pa.StructArray.from_arrays(children, fields=list(item)))
+        return lists(lengths, _native_array(columns, f"{path}.items", item))
+    if pa.types.is_string(type_):
+        return strings(offsets, values, valid)
+    if pa.types.is_boolean(type_):
+        return booleans(values, valid)
+    mask = None if valid is None else np.frombuffer(valid, bool)
+    return primitive(np.frombuffer(values, type_.to_pandas_dtype()), type_, mask)

@@ -104,10 +104,7 @@ static inline int buf_repeat(Buf *b, const char *item, Py_ssize_t item_len, Py_s
 /* JSON string escapes as orjson writes them: \" \\ \b \t \n \f \r, other controls as \u00xx */
 static const char HEX[] = "0123456789abcdef";
 
-static inline int buf_json_str(Buf *b, PyObject *s) {
-    Py_ssize_t n;
-    const char *u = PyUnicode_AsUTF8AndSize(s, &n);
-    if (!u) return -1;
+static inline int buf_json_utf8(Buf *b, const char *u, Py_ssize_t n) {
     if (buf_reserve(b, n * 6 + 2) < 0) return -1;
     char *p = b->data + b->len;
     *p++ = '"';
@@ -137,6 +134,12 @@ static inline int buf_json_str(Buf *b, PyObject *s) {
     *p++ = '"';
     b->len = p - b->data;
     return 0;
+}
+
+static inline int buf_json_str(Buf *b, PyObject *s) {
+    Py_ssize_t n;
+    const char *u = PyUnicode_AsUTF8AndSize(s, &n);
+    return u ? buf_json_utf8(b, u, n) : -1;
 }
 
 #endif

@@ -93,6 +93,8 @@ PyObject *get(PyObject *dict, PyObject *key);
 PyObject *decode(Opts *o, PyObject *raw);
 int add_chat(Page *p, PyObject *chat);
 void page_free(Page *p);
+int sqlite_created(PyObject *raw, char iso[26]);
+void turn_versions(const Turn *t, int32_t *out);
 
 /* page_jsonl.c */
 int buf_value(Buf *b, Opts *o, PyObject *v);

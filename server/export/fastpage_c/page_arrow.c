@@ -145,19 +145,9 @@ static int col_truth(Col *c, PyObject *row, Py_ssize_t i) {
 
 /* ``created_texts``' value: SQLite's stored text in isoformat's form, else the caller's conversion */
 static int col_created(Col *c, Opts *o, PyObject *raw) {
-    if (PyUnicode_CheckExact(raw)) {
-        Py_ssize_t n;
-        const char *s = PyUnicode_AsUTF8AndSize(raw, &n);
-        if (!s) return -1;
-        int plain = n == 26;
-        for (Py_ssize_t i = 0; plain && i < n; i++) plain = s[i] >= 0x20 && s[i] < 0x7f;
-        if (plain && s[10] == ' ' && s[19] == '.' && memcmp(s + 20, "000000", 6) != 0) {
-            char iso[26];
-            memcpy(iso, s, 26);
-            iso[10] = 'T';
-            return col_str(c, iso, 26, 1);
-        }
-    }
+    char iso[26];
+    int plain = sqlite_created(raw, iso);
+    if (plain) return plain < 0 ? -1 : col_str(c, iso, 26, 1);
     PyObject *text = PyObject_CallOneArg(o->created, raw);
     if (!text) return -1;
     int rc = col_str_obj(c, text);
@@ -275,21 +265,9 @@ static int write_sample_cols(Col *c, Page *p, Rollout *r, Py_ssize_t g, Py_ssize
             put_repeat_i32(&c[S_MASK_ITEMS], 1, nc) < 0 || put_repeat_i32(&c[S_LOGPROBS_ITEMS], 0, nd) < 0 ||
             put_logprobs(&c[S_LOGPROBS_ITEMS], t, 1) < 0 || put_repeat_i32(&c[S_VERSIONS_ITEMS], -1, nd) < 0)
             return -1;
-        /* versions: as token_versions */
         if (nc) {
             if (buf_reserve(&c[S_VERSIONS_ITEMS].values, 4 * nc) < 0) return -1;
-            int32_t *out = (int32_t *)(c[S_VERSIONS_ITEMS].values.data + c[S_VERSIONS_ITEMS].values.len);
-            if (t->n_spans == 1 && !t->spans[0].start) {
-                for (Py_ssize_t j = 0; j < nc; j++) out[j] = (int32_t)t->spans[0].version;
-            } else {
-                for (Py_ssize_t j = 0; j < nc; j++) out[j] = -1;
-                for (Py_ssize_t k = 0; k < t->n_spans; k++) {
-                    long long a = t->spans[k].start < 0 ? 0 : t->spans[k].start;
-                    long long b = k + 1 < t->n_spans ? t->spans[k + 1].start : nc;
-                    if (b > nc) b = nc;
-                    for (long long j = a; j < b; j++) out[j] = (int32_t)t->spans[k].version;
-                }
-            }
+            turn_versions(t, (int32_t *)(c[S_VERSIONS_ITEMS].values.data + c[S_VERSIONS_ITEMS].values.len));
             c[S_VERSIONS_ITEMS].values.len += 4 * nc;
         }
         Py_ssize_t start = end + nd;

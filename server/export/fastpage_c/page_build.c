@@ -732,3 +732,36 @@ PyObject *get(PyObject *dict, PyObject *key) {
     return v ? v : Py_None;
 }
 
+
+/* ``created_texts``' fast path: SQLite's stored ``YYYY-MM-DD HH:MM:SS.ffffff`` (ASCII, so that its 26
+ * bytes are 26 characters) as isoformat writes it, into iso: 1; 0 for any other value (the caller's
+ * conversion); -1 error */
+int sqlite_created(PyObject *raw, char iso[26]) {
+    if (!PyUnicode_CheckExact(raw)) return 0;
+    Py_ssize_t n;
+    const char *s = PyUnicode_AsUTF8AndSize(raw, &n);
+    if (!s) return -1;
+    if (n != 26 || s[10] != ' ' || s[19] != '.' || memcmp(s + 20, "000000", 6) == 0) return 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (s[i] < 0x20 || s[i] >= 0x7f) return 0;
+    memcpy(iso, s, 26);
+    iso[10] = 'T';
+    return 1;
+}
+
+/* the version of each of the turn's completion tokens (``token_versions``; int32 as the page path's
+ * arrays): NO_VERSION, then each span's version from its start to the next span's */
+void turn_versions(const Turn *t, int32_t *out) {
+    Py_ssize_t n = t->n_completion;
+    if (t->n_spans == 1 && !t->spans[0].start) {
+        for (Py_ssize_t i = 0; i < n; i++) out[i] = (int32_t)t->spans[0].version;
+        return;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) out[i] = -1;
+    for (Py_ssize_t k = 0; k < t->n_spans; k++) {
+        long long a = t->spans[k].start < 0 ? 0 : t->spans[k].start;
+        long long e = k + 1 < t->n_spans ? t->spans[k + 1].start : n;
+        if (e > n) e = n;
+        for (long long i = a; i < e; i++) out[i] = (int32_t)t->spans[k].version;
+    }
+}

@@ -155,24 +155,9 @@ int buf_stop(Buf *b, Opts *o, PyObject *raw) {
 
 /* ``created_texts``: SQLite's stored text to isoformat's, else the caller's conversion */
 static int buf_created(Buf *b, Opts *o, PyObject *raw) {
-    if (PyUnicode_CheckExact(raw)) {
-        Py_ssize_t n;
-        const char *s = PyUnicode_AsUTF8AndSize(raw, &n);
-        if (!s) return -1;
-        int plain = n == 26;  /* (ASCII with nothing to escape, so that 26 bytes are 26 characters) */
-        for (Py_ssize_t i = 0; plain && i < n; i++) plain = s[i] >= 0x20 && s[i] < 0x7f && s[i] != '"' && s[i] != '\\';
-        if (plain && s[10] == ' ' && s[19] == '.' && memcmp(s + 20, "000000", 6) != 0) {
-            if (buf_reserve(b, 28) < 0) return -1;
-            char *p = b->data + b->len;
-            *p++ = '"';
-            memcpy(p, s, 10);
-            p[10] = 'T';
-            memcpy(p + 11, s + 11, 15);
-            p[26] = '"';
-            b->len += 28;
-            return 0;
-        }
-    }
+    char iso[26];
+    int plain = sqlite_created(raw, iso);
+    if (plain) return plain < 0 ? -1 : buf_json_utf8(b, iso, 26);
     PyObject *text = PyObject_CallOneArg(o->created, raw);
     if (!text) return -1;
     int rc = buf_value(b, o, text);
@@ -279,23 +264,14 @@ static int buf_versions(Buf *b, Turn *t, int *first) {
     Py_ssize_t n = t->n_completion;
     if (!n) return 0;
     char item[24];
-    if (t->n_spans == 1 && !t->spans[0].start) {  /* one version for the whole completion: the usual case */
-        int len = fmt_ll(item, t->spans[0].version);
-        return buf_repeat(b, item, len, n, first);
-    }
-    /* as token_versions: NO_VERSION everywhere, then each span's version from its start to the next's */
-    long long *out = PyMem_Malloc(sizeof(long long) * (size_t)n);
+    if (t->n_spans == 1 && !t->spans[0].start)  /* one version for the whole completion: the usual case */
+        return buf_repeat(b, item, fmt_ll(item, (int32_t)t->spans[0].version), n, first);
+    int32_t *out = PyMem_Malloc(sizeof(int32_t) * (size_t)n);
     if (!out) {
         PyErr_NoMemory();
         return -1;
     }
-    for (Py_ssize_t i = 0; i < n; i++) out[i] = -1;
-    for (Py_ssize_t k = 0; k < t->n_spans; k++) {
-        long long a = t->spans[k].start < 0 ? 0 : t->spans[k].start;
-        long long e = k + 1 < t->n_spans ? t->spans[k + 1].start : n;
-        if (e > n) e = n;
-        for (long long i = a; i < e; i++) out[i] = t->spans[k].version;
-    }
+    turn_versions(t, out);
     int rc = 0;
     for (Py_ssize_t i = 0; i < n && rc == 0; i++) rc = buf_repeat(b, item, fmt_ll(item, out[i]), 1, first);
     PyMem_Free(out);

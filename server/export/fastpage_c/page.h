@@ -61,9 +61,8 @@ typedef struct {
 } Turn;
 
 typedef struct {
-    PyObject *version;  /* owned: int */
-    long long v;
-    PyObject *path;     /* owned: str or None */
+    long long v;        /* a version the rollout's turns use */
+    PyObject *path;     /* owned: its checkpoint directory (str), or None */
 } PathEntry;
 
 typedef struct {
@@ -84,7 +83,6 @@ typedef struct {
     Rollout *rollouts;
     Py_ssize_t n_rollouts, cap_rollouts;
     PyObject *index;     /* message id -> turn number (int), or None: the version filters leave it out */
-    int malformed;       /* a page the Python builder takes */
 } Page;
 
 /* page_build.c */

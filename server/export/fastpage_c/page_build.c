@@ -58,7 +58,6 @@ void page_free(Page *p) {
         PyMem_Free(r->turns);
         Py_XDECREF(r->reward);
         for (Py_ssize_t j = 0; j < r->n_paths; j++) {
-            Py_XDECREF(r->paths[j].version);
             Py_XDECREF(r->paths[j].path);
         }
         PyMem_Free(r->paths);
@@ -449,7 +448,6 @@ static int add_path(Rollout *r, Opts *o, PyObject *model, long long v) {
     }
     r->paths = entries;
     r->paths[r->n_paths].v = v;
-    r->paths[r->n_paths].version = NULL;
     r->paths[r->n_paths].path = path;
     r->n_paths++;
     return 0;

@@ -97,6 +97,7 @@ void turn_versions(const Turn *t, int32_t *out);
 /* page_jsonl.c */
 int buf_value(Buf *b, Opts *o, PyObject *v);
 int buf_stop(Buf *b, Opts *o, PyObject *raw);
+int buf_policy_paths(Buf *b, Opts *o, Rollout *r);
 PyObject *page_jsonl(Page *p);
 
 /* page_arrow.c */

@@ -199,11 +199,8 @@ static int write_turn_cols(Col *c, Opts *o, Turn *t) {
     if (col_len(&c[U_LOGPROBS], t->n_completion) < 0 || put_logprobs(&c[U_LOGPROBS_ITEMS], t, 0) < 0) return -1;
     if ((rc = col_field_str(&c[U_FINISH], tok, T_FINISH))) return rc;
     if (!(v = field(tok, T_STOP))) return -1;
-    Buf stop = {0};
-    rc = buf_stop(&stop, o, v);
+    rc = str_begin(&c[U_STOP]) < 0 || buf_stop(&c[U_STOP].values, o, v) < 0 || str_end(&c[U_STOP], 1) < 0 ? -1 : 0;
     Py_DECREF(v);
-    if (rc == 0) rc = col_str(&c[U_STOP], stop.data ? stop.data : "", stop.len, 1);
-    PyMem_Free(stop.data);
     if (rc < 0) return -1;
     /* the closer: prompt[reused : reused + synth] where synth (both non-negative ints: add_turn) */
     PyObject *reused = field(tok, T_REUSED), *synth = field(tok, T_SYNTH);
@@ -301,19 +298,8 @@ static int write_rollout_cols(Col *c, Page *p, Rollout *r) {
         (rc = col_json(&c[R_TOOLS], o, get(r->leaf_work, K_TOOLS))))
         return rc;
     if (col_f64_obj(&c[R_REWARD], r->reward) < 0 || col_bool(&c[R_COMPLETE], r->complete) < 0) return -1;
-    /* policy_paths: {"version": path, ...} */
-    Buf paths = {0};
-    rc = buf_char(&paths, '{');
-    for (Py_ssize_t j = 0; j < r->n_paths && rc == 0; j++) {
-        rc = (j && buf_char(&paths, ',') < 0) || buf_char(&paths, '"') < 0 || buf_ll(&paths, r->paths[j].v) < 0 ||
-                     PUT_LIT(&paths, "\":") < 0 || buf_value(&paths, o, r->paths[j].path) < 0
-                 ? -1
-                 : 0;
-    }
-    if (rc == 0) rc = buf_char(&paths, '}');
-    if (rc == 0) rc = col_str(&c[R_POLICY_PATHS], paths.data, paths.len, 1);
-    PyMem_Free(paths.data);
-    if (rc < 0) return -1;
+    Col *paths = &c[R_POLICY_PATHS];
+    if (str_begin(paths) < 0 || buf_policy_paths(&paths->values, o, r) < 0 || str_end(paths, 1) < 0) return -1;
     if (col_len(&c[R_TURNS], r->n_turns) < 0) return -1;
     for (Py_ssize_t i = 0; i < r->n_turns; i++)
         if ((rc = write_turn_cols(c, o, &p->turns[r->turns[i]]))) return rc;

@@ -133,6 +133,17 @@ static int buf_float(Buf *b, Opts *o, PyObject *x) {
     return x ? buf_value(b, o, x) : PUT_LIT(b, "null");
 }
 
+/* the rollout's policy_paths object: {"version": checkpoint directory or null, ...} */
+int buf_policy_paths(Buf *b, Opts *o, Rollout *r) {
+    if (buf_char(b, '{') < 0) return -1;
+    for (Py_ssize_t j = 0; j < r->n_paths; j++) {
+        if ((j && buf_char(b, ',') < 0) || buf_char(b, '"') < 0 || buf_ll(b, r->paths[j].v) < 0 ||
+            PUT_LIT(b, "\":") < 0 || buf_value(b, o, r->paths[j].path) < 0)
+            return -1;
+    }
+    return buf_char(b, '}');
+}
+
 int buf_stop(Buf *b, Opts *o, PyObject *raw) {
     if (raw == Py_None) return PUT_LIT(b, "null");
     PyObject *text = PyDict_GetItemWithError(o->stop_cache, raw);
@@ -379,13 +390,8 @@ static int write_rollout(Buf *b, Page *p, Floats *f, Buf *turns_buf, Rollout *r)
         buf_put(b, PyBytes_AS_STRING(o->rule_text), PyBytes_GET_SIZE(o->rule_text)) < 0)
         return -1;
     if (PUT_LIT(b, ",\"complete\":") < 0 || (r->complete ? PUT_LIT(b, "true") : PUT_LIT(b, "false")) < 0) return -1;
-    if (PUT_LIT(b, ",\"policy_paths\":{") < 0) return -1;
-    for (Py_ssize_t j = 0; j < r->n_paths; j++) {
-        if ((j && buf_char(b, ',') < 0) || buf_char(b, '"') < 0 || buf_ll(b, r->paths[j].v) < 0 ||
-            PUT_LIT(b, "\":") < 0 || buf_value(b, o, r->paths[j].path) < 0)
-            return -1;
-    }
-    return PUT_LIT(b, "}}\n");
+    if (PUT_LIT(b, ",\"policy_paths\":") < 0 || buf_policy_paths(b, o, r) < 0) return -1;
+    return PUT_LIT(b, "}\n");
 }
 
 

@@ -15,6 +15,7 @@ import os
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -116,9 +117,43 @@ async def _store(url: str) -> set[str]:
     try:
         async with engine.begin() as conn:
             await insert_rows(conn, rows)
+            await _raw_work_texts(conn, rows, engine.dialect.name == "postgresql")
     finally:
         await engine.dispose()
     return odd
+
+
+# Work parameters as texts that json.dumps does not write: the compiled builder reads the members it
+# takes (sampling parameters, seed, system prompt, tools) from the text and leaves the rest undecoded,
+# or decodes it all where its reader does not take the text (an escaped member name, deep nesting, a
+# run of 19 digits, NaN): either way what the Python path decodes.
+RAW_WORK_TEXTS = [
+    '{"sampling_parameters":{"seed":null,"temperature":0.5,"top_p":0.9},"seed":7,"system_prompt":"compact"}',
+    '{\n\t"seed" : -0 ,\r\n "sampling_parameters" : { "top_k" : 40 , "seed" : 3 } ,\n "system_prompt" : null }\n',
+    '{"se\\u0065d": 5, "sampling_parameters": {"temperature": 2}, "system_prompt": "escaped name"}',
+    '{"seed": 1, "sampling_parameters": {"temperature": 0.3}, "seed": 2, "system_prompt": "first"}',
+    '{"system_prompt": "an id 1234567890123456789 \\u00e9 \u00e9\u2028", "seed": 1.5, "sampling_parameters": {}}',
+    "{}",
+    "null",
+    '{"sampling_parameters": {"temperature": "0.25", "stop": ["\\n", "x"]}, "seed": 1e3, "tools": []}',
+    '{"tools": ' + "[" * 70 + "]" * 70 + ', "sampling_parameters": null, "seed": 9}',
+    '{"sampling_parameters": {"max_new_tokens": 120, "seed": 5}, "tools": [{"type": "function", "function": '
+    '{"name": "f", "parameters": {"type": "object"}}}], "system_prompt": "tools", "seed": 123456789012345678}',
+    '{"sampling_parameters": {"temperature": 0.1e1, "top_p": -0.5E-2}, "seed": 0, "extra": [true, false, null]}',
+]
+RAW_WORK_SQLITE = ['{"sampling_parameters": {"top_p": NaN}, "seed": 4}']  # (PostgreSQL's json refuses NaN)
+
+
+async def _raw_work_texts(conn: Any, rows: Rows, postgres: bool) -> None:
+    from sqlalchemy import text
+
+    texts = RAW_WORK_TEXTS + ([] if postgres else RAW_WORK_SQLITE)
+    assistants = [m for m in rows.messages if m["role"] == "assistant"]
+    for i, raw in enumerate(texts):
+        await conn.execute(
+            text("UPDATE messages SET work_parameters = :raw WHERE id = :id"),
+            {"raw": raw, "id": assistants[4 + 6 * i]["id"]},
+        )
 
 
 FILTERS = [

@@ -6,10 +6,11 @@ exporter writes None (JSON null) for a -inf logprob.
 An export of rollouts (``server/export/run.py``) builds and encodes a page of chats at a time
 (``Encoder``s: on worker processes, see ``server/export/parallel.py``) and hands the bytes to a
 ``PageWriter``: JSON lines (``LinesEncoder``: native rollouts a page at a time by
-``server/export/page_rollouts.py`` and ``server/export/page_jsonl.py``), or for Parquet an Arrow batch of
-native rollouts (``ArrowEncoder``: ``server/export/columnar.py``; ``RolloutParquetWriter``) or the
-records of a trainer schema (``RecordsEncoder``, ``ParquetWriter``). A page with a turn whose logprobs
-do not line up with its completion is built one rollout at a time (``rows_rollout_parts``).
+``server/export/page_rollouts.py`` and ``server/export/page_jsonl.py``), or for Parquet a row group
+of native rollouts, compressed where it was built (``ArrowEncoder``: ``server/export/columnar.py``;
+``RolloutParquetWriter``, ``server/export/parquet_pages.py``) or the records of a trainer schema
+(``RecordsEncoder``, ``ParquetWriter``). A page with a turn whose logprobs do not line up with its
+completion is built one rollout at a time (``rows_rollout_parts``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from server.export.fastpage import arrow_batch, encode_page
 from server.export.jsonl import rollout_line
 from server.export.page_jsonl import page_lines
 from server.export.page_rollouts import Chat, page_rollouts
+from server.export.parquet_pages import PageFile, StitchedParquetWriter, page_file
 from server.export.query import Decoders, ExportFilters, PolicyPaths
 from server.export.rollouts import fill_plain, rows_rollout_parts
 from shared.rollout import SCHEMA_NAME
@@ -261,7 +263,7 @@ class RecordsEncoder(_PerRollout):
 
 
 class ArrowEncoder(_PerRollout):
-    """Native rollouts as an Arrow record batch (``server/export/columnar.py``), as one IPC message."""
+    """Native rollouts as an Arrow record batch (``server/export/columnar.py``) written as a Parquet row group."""
 
     def __init__(self) -> None:
         from server.export.columnar import RolloutColumns
@@ -293,50 +295,46 @@ class ArrowEncoder(_PerRollout):
         return 1
 
     def payload(self) -> list[Any]:
-        """The rollouts added (the encoder starts again empty)."""
-        from server.export.columnar import RolloutColumns
+        """The rollouts added as a Parquet row group (``parquet_pages``; the encoder starts again empty)."""
+        from server.export.columnar import ROLLOUT_SCHEMA, RolloutColumns
 
         batch = self.page if self.page is not None else self.columns.batch()
-        message = batch.serialize()  # an Arrow buffer: bytes-like
         self.columns, self.page = RolloutColumns(), None
-        _release_arrow_memory()
-        return [message]
+        if not batch.num_rows:
+            return []
+        # (Arrow's allocator keeps the page's memory for the next page: a page's peak either way)
+        return page_file(batch, ROLLOUT_SCHEMA, **rollout_parquet_options()).payload()
+
+
+def rollout_parquet_options() -> dict[str, Any]:
+    """How native rollouts are written to Parquet. Plain encoding: dictionaries of token ids and
+    logprobs only cost time (zstd does better). Statistics (min and max) only for the scalar columns:
+    a token list's cost a third of the writing and no reader skips row groups by token ids."""
+    from server.export.columnar import ROLLOUT_SCHEMA
+
+    scalars = [f.name for f in ROLLOUT_SCHEMA if f.name not in ("turns", "samples")]
+    return {"compression": "zstd", "use_dictionary": False, "write_statistics": scalars}
 
 
 class RolloutParquetWriter:
-    """Native rollouts' Arrow batches (``ArrowEncoder``) as Parquet, a row group per page.
-
-    Plain encoding: dictionaries of token ids and logprobs only cost time (zstd does better).
-    Statistics (min and max) only for the scalar columns: a token list's cost a third of the writing
-    and no reader skips row groups by token ids."""
+    """Native rollouts' row groups, compressed by the encoders (``ArrowEncoder``, on the export's
+    worker processes), appended to one Parquet file (``parquet_pages``): a row group per page."""
 
     def __init__(self, path: Path) -> None:
-        import pyarrow.parquet as pq
-
         from server.export.columnar import ROLLOUT_SCHEMA
 
-        scalars = [f.name for f in ROLLOUT_SCHEMA if f.name not in ("turns", "samples")]
-        self._writer = pq.ParquetWriter(
-            path, ROLLOUT_SCHEMA, compression="zstd", use_dictionary=False, write_statistics=scalars
-        )
+        self._writer = StitchedParquetWriter(path, ROLLOUT_SCHEMA, **rollout_parquet_options())
 
     def write_page(self, payload: list[Any]) -> None:
-        import pyarrow as pa
-
-        from server.export.columnar import ROLLOUT_SCHEMA
-
-        data = payload[0] if len(payload) == 1 else b"".join(payload)
-        batch = pa.ipc.read_record_batch(pa.py_buffer(data), ROLLOUT_SCHEMA)
-        if batch.num_rows:
-            self._writer.write_batch(batch)
-        del batch
-        _release_arrow_memory()
+        if payload:
+            self._writer.add(PageFile.from_payload(payload[0] if len(payload) == 1 else b"".join(payload)))
 
     def splice_target(self) -> int | None:
         return None
 
     def close(self) -> None:
         self._writer.close()
+        _release_arrow_memory()  # what pages encoded in this process left in Arrow's allocator
 
 
 def _release_arrow_memory() -> None:

@@ -35,6 +35,7 @@ typedef struct {
     PyObject *stop_cache;     /* dict: raw stop reason -> its JSON text */
     PyObject *decoded;        /* the page's JSON columns decoded: raw text -> value (read, never changed) */
     PyObject *samplings;      /* raw work parameters -> (sampling JSON text, temperature) */
+    PyObject *sampling_parts; /* raw sampling parameters -> (JSON before the seed, after it, temperature) */
 } Opts;
 
 /* --- a page's turns and rollouts ------------------------------------------------------------------- */
@@ -50,7 +51,7 @@ typedef struct {
     int extends;
     Span *spans;
     Py_ssize_t n_spans;
-    PyObject *work;                    /* owned: dict */
+    PyObject *work;                    /* owned: dict, or NULL where its members were read from its text */
     PyObject *reward;                  /* owned: float, or NULL */
     PyObject *temperature;             /* owned: float */
     PyObject *sampling;                /* owned: the record's sampling, as JSON */
@@ -90,6 +91,9 @@ PyObject *field(PyObject *row, Py_ssize_t i);
 PyObject *get(PyObject *dict, PyObject *key);
 PyObject *decode(Opts *o, PyObject *raw);
 int add_chat(Page *p, PyObject *chat);
+
+/* json_members.c: 1 with the spans of the named members' values (start -1: absent), 0 not taken */
+int json_members(const char *s, Py_ssize_t n, const char *const *names, int k, Py_ssize_t *start, Py_ssize_t *end);
 void page_free(Page *p);
 int sqlite_created(PyObject *raw, char iso[26]);
 void turn_versions(const Turn *t, int32_t *out);

@@ -226,6 +226,143 @@ static int read_sampling(Opts *o, PyObject *raw, Turn *t) {
     return 0;
 }
 
+/* --- the members of the work parameters a record takes, without decoding the rest (json_members.c) --- */
+
+enum { W_SAMPLING, W_SEED, W_SYSTEM, W_TOOLS, W_COUNT };
+static const char *const WORK_MEMBERS[W_COUNT] = {"sampling_parameters", "seed", "system_prompt", "tools"};
+
+typedef struct {
+    const char *s;
+    Py_ssize_t start[W_COUNT], end[W_COUNT];
+} WorkText;
+
+/* 1: the members of a str of work parameters found (``w``), 0: not taken here (decode it all), -1 error */
+static int work_text(Opts *o, PyObject *raw, WorkText *w) {
+    if (o->loads == Py_None || !PyUnicode_CheckExact(raw)) return 0;  /* (another decoder: its own reading) */
+    Py_ssize_t n;
+    w->s = PyUnicode_AsUTF8AndSize(raw, &n);
+    if (!w->s) {  /* a lone surrogate: the decoder's */
+        PyErr_Clear();
+        return 0;
+    }
+    return json_members(w->s, n, WORK_MEMBERS, W_COUNT, w->start, w->end);
+}
+
+/* member j decoded as the whole text's decoding would give it (None where absent): new reference */
+static PyObject *work_member(Opts *o, const WorkText *w, int j) {
+    if (w->start[j] < 0) Py_RETURN_NONE;
+    const char *v = w->s + w->start[j];
+    Py_ssize_t len = w->end[j] - w->start[j];
+    if (len == 4 && memcmp(v, "null", 4) == 0) Py_RETURN_NONE;
+    Py_ssize_t i = v[0] == '-';
+    long long x = 0;
+    while (i < len && v[i] >= '0' && v[i] <= '9') x = x * 10 + (v[i++] - '0');  /* (at most 18 digits) */
+    if (i == len && len > (v[0] == '-')) return PyLong_FromLongLong(v[0] == '-' ? -x : x);  /* an integer */
+    PyObject *text = PyUnicode_DecodeUTF8(v, len, NULL);
+    if (!text) return NULL;
+    PyObject *value = decode(o, text);
+    Py_DECREF(text);
+    return value;
+}
+
+/* the sampling parameters' record without their seed, once per distinct text: (JSON before the seed's
+ * value, JSON after it, temperature), as ``read_sampling`` makes it; NULL with an error, or Py_None: not
+ * a shape taken here. Borrowed */
+static PyObject *sampling_parts(Opts *o, const WorkText *w) {
+    PyObject *key;
+    if (w->start[W_SAMPLING] < 0) {
+        key = Py_None;
+        Py_INCREF(key);
+    } else {
+        key = PyUnicode_DecodeUTF8(w->s + w->start[W_SAMPLING], w->end[W_SAMPLING] - w->start[W_SAMPLING], NULL);
+        if (!key) return NULL;
+    }
+    PyObject *parts = PyDict_GetItemWithError(o->sampling_parts, key);
+    if (parts || PyErr_Occurred()) {
+        Py_DECREF(key);
+        return parts;
+    }
+    PyObject *params = key == Py_None ? Py_NewRef(Py_None) : decode(o, key);
+    if (!params) {
+        Py_DECREF(key);
+        return NULL;
+    }
+    int truth = PyObject_IsTrue(params);
+    Buf pre = {0}, post = {0};
+    PyObject *temperature = NULL;
+    parts = NULL;
+    if (truth < 0) goto done;
+    if (truth && !PyDict_Check(params)) {
+        parts = Py_None;
+        goto done;
+    }
+    /* the record is the parameters with "seed" set to the work's seed: where the key is, or last */
+    int seen = 0, first = 1;
+    if (buf_char(&pre, '{') < 0) goto done;
+    if (truth) {
+        PyObject *k, *v;
+        Py_ssize_t pos = 0;
+        while (PyDict_Next(params, &pos, &k, &v)) {
+            Buf *b = seen ? &post : &pre;
+            if ((!first && buf_char(b, ',') < 0) || buf_value(b, o, k) < 0 || buf_char(b, ':') < 0) goto done;
+            first = 0;
+            if (PyUnicode_Check(k) && PyUnicode_CompareWithASCIIString(k, "seed") == 0) seen = 1;
+            else if (buf_value(b, o, v) < 0) goto done;
+        }
+    }
+    if (!seen && ((!first && buf_char(&pre, ',') < 0) || PUT_LIT(&pre, "\"seed\":") < 0)) goto done;
+    if (buf_char(&post, '}') < 0) goto done;
+    PyObject *temp = truth ? get(params, K_TEMPERATURE) : Py_None;
+    temperature = temp == Py_None ? PyFloat_FromDouble(1.0) : PyNumber_Float(temp);
+    if (!temperature) goto done;
+    PyObject *entry = Py_BuildValue("(y#y#O)", pre.data ? pre.data : "", pre.len, post.data, post.len, temperature);
+    if (entry && PyDict_SetItem(o->sampling_parts, key, entry) == 0) parts = entry;  /* (the dict holds it) */
+    Py_XDECREF(entry);
+done:
+    PyMem_Free(pre.data);
+    PyMem_Free(post.data);
+    Py_XDECREF(temperature);
+    Py_DECREF(params);
+    Py_DECREF(key);
+    return parts;
+}
+
+/* ``read_sampling`` from the members of the work's text: 0, -1 error, 1 not a shape taken here */
+static int quick_sampling(Opts *o, const WorkText *w, Turn *t) {
+    PyObject *parts = sampling_parts(o, w);
+    if (!parts) return -1;
+    if (parts == Py_None) return 1;
+    PyObject *seed = work_member(o, w, W_SEED);
+    if (!seed) return -1;
+    PyObject *pre = PyTuple_GET_ITEM(parts, 0), *post = PyTuple_GET_ITEM(parts, 1);
+    Buf b = {0};
+    int rc = buf_put(&b, PyBytes_AS_STRING(pre), PyBytes_GET_SIZE(pre));
+    if (rc == 0) rc = buf_value(&b, o, seed);
+    if (rc == 0) rc = buf_put(&b, PyBytes_AS_STRING(post), PyBytes_GET_SIZE(post));
+    Py_DECREF(seed);
+    if (rc == 0 && !(t->sampling = PyBytes_FromStringAndSize(b.data, b.len))) rc = -1;
+    PyMem_Free(b.data);
+    if (rc < 0) return -1;
+    t->temperature = Py_NewRef(PyTuple_GET_ITEM(parts, 2));
+    return 0;
+}
+
+/* a leaf's work parameters: a dict with what its record takes (system prompt and tools), from the
+ * members of its text, else ``read_work`` */
+static PyObject *leaf_work(Opts *o, PyObject *raw) {
+    WorkText w;
+    int found = work_text(o, raw, &w);
+    if (found < 0) return NULL;
+    if (!found) return read_work(o, raw);
+    PyObject *work = PyDict_New(), *system = work_member(o, &w, W_SYSTEM), *tools = work_member(o, &w, W_TOOLS);
+    if (!work || !system || !tools || PyDict_SetItem(work, K_SYSTEM_PROMPT, system) < 0 ||
+        PyDict_SetItem(work, K_TOOLS, tools) < 0)
+        Py_CLEAR(work);
+    Py_XDECREF(system);
+    Py_XDECREF(tools);
+    return work;
+}
+
 /* ``_Builder.turn``: adds the turn of message row m with token row t after turn prev (-1: first).
  * Returns its number, -1 where the version filters leave it out, -2 on error, -3 malformed */
 static Py_ssize_t add_turn(Page *p, PyObject *m, PyObject *t, Py_ssize_t prev, PyObject *mid) {
@@ -357,12 +494,21 @@ static Py_ssize_t add_turn(Page *p, PyObject *m, PyObject *t, Py_ssize_t prev, P
         }
     }
     if (!(raw = field(m, M_WORK))) return -2;
+    WorkText w;
+    int found = work_text(o, raw, &w);
+    if (found) {  /* (tu->work stays NULL: the leaf reads its own) */
+        rc = found < 0 ? -1 : quick_sampling(o, &w, tu);
+        Py_DECREF(raw);
+        if (rc) return rc < 0 ? -2 : -3;
+        goto indexed;
+    }
     tu->work = read_work(o, raw);
     if (tu->work && tu->work != Py_None) rc = read_sampling(o, raw, tu);
     Py_DECREF(raw);
     if (!tu->work) return -2;
     if (tu->work == Py_None) return -3;
     if (rc) return rc < 0 ? -2 : -3;
+indexed:;
     Py_ssize_t k = p->n_turns - 1;
     PyObject *key = PyLong_FromSsize_t(k);
     if (!key) return -2;
@@ -608,13 +754,13 @@ static int add_rollout(Page *p, PyObject *chat_id, PyObject *user_id, PyObject *
         Py_DECREF(model);
     }
     Turn *last = &p->turns[r->turns[n_turns - 1]];
-    if (last->msg == leaf) {
+    if (last->msg == leaf && last->work) {
         Py_INCREF(last->work);
         r->leaf_work = last->work;
     } else {
         PyObject *raw = field(leaf, M_WORK);
         if (!raw) goto done;
-        r->leaf_work = read_work(o, raw);
+        r->leaf_work = leaf_work(o, raw);
         Py_DECREF(raw);
         if (!r->leaf_work) goto done;
         if (r->leaf_work == Py_None) {

@@ -21,6 +21,7 @@ import orjson
 from server.chats.repository import decode_stop_reason
 from server.export.page_rollouts import Chat
 from server.export.query import (
+    DECODED,
     M_DONE,
     M_ID,
     M_POLICY,
@@ -73,9 +74,12 @@ def _args(chats: Sequence[Chat], filters: ExportFilters, dec: Decoders, paths: P
     if filters.min_version is not None or filters.max_staleness is not None:
         by_versions = lambda used, model: recent_enough(used, model or "", filters, paths)  # noqa: E731
 
-    def created(raw: Any) -> str | None:
-        value = dec.datetime(raw)
-        return value.isoformat() if value else None
+    created: Callable[[Any], str | None] | None = None  # None: the driver's datetimes as they are (C: isoformat)
+    if dec.datetime is not DECODED.datetime:  # (asyncpg's: datetimes as they are)
+
+        def created(raw: Any) -> str | None:
+            value = dec.datetime(raw)
+            return value.isoformat() if value else None
 
     return (
         chats,

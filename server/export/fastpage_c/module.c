@@ -98,7 +98,8 @@ PyMODINIT_FUNC PyInit__fastpage(void) {
     K_TOOLS = PyUnicode_InternFromString("tools");
     PyObject *builtins = PyEval_GetBuiltins();  /* borrowed */
     SUM = builtins ? PyDict_GetItemString(builtins, "sum") : NULL;
-    if (!K_SAMPLING || !K_SEED || !K_TEMPERATURE || !K_SYSTEM_PROMPT || !K_TOOLS || !SUM) return NULL;
+    if (!K_SAMPLING || !K_SEED || !K_TEMPERATURE || !K_SYSTEM_PROMPT || !K_TOOLS || !SUM || created_init() < 0)
+        return NULL;
     Py_INCREF(SUM);
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;

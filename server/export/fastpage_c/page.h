@@ -26,7 +26,7 @@ typedef struct {
     PyObject *path;           /* callable(model, version) -> str | None */
     PyObject *json;           /* Decoders.json */
     PyObject *loads;          /* orjson.loads where json is _json_loads (its checks made in C), else None */
-    PyObject *created;        /* callable(raw created_at) -> str | None (not SQLite's text) */
+    PyObject *created;        /* callable(raw created_at) -> str | None (not SQLite's text), or None: raw.isoformat() */
     PyObject *stop_reason;    /* decode_stop_reason */
     PyObject *dumps;          /* callable(value) -> bytes: orjson.dumps */
     PyObject *floats;         /* callable(float32 bytes) -> bytes: their JSON array, widened to float64 */
@@ -95,7 +95,10 @@ int add_chat(Page *p, PyObject *chat);
 /* json_members.c: 1 with the spans of the named members' values (start -1: absent), 0 not taken */
 int json_members(const char *s, Py_ssize_t n, const char *const *names, int k, Py_ssize_t *start, Py_ssize_t *end);
 void page_free(Page *p);
-int sqlite_created(PyObject *raw, char iso[26]);
+#define CREATED_MAX 40
+int plain_created(Opts *o, PyObject *raw, char iso[CREATED_MAX]);
+PyObject *created_text(Opts *o, PyObject *raw);
+int created_init(void);
 void turn_versions(const Turn *t, int32_t *out);
 
 /* page_jsonl.c */

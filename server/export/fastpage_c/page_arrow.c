@@ -145,10 +145,10 @@ static int col_truth(Col *c, PyObject *row, Py_ssize_t i) {
 
 /* ``created_texts``' value: SQLite's stored text in isoformat's form, else the caller's conversion */
 static int col_created(Col *c, Opts *o, PyObject *raw) {
-    char iso[26];
-    int plain = sqlite_created(raw, iso);
-    if (plain) return plain < 0 ? -1 : col_str(c, iso, 26, 1);
-    PyObject *text = PyObject_CallOneArg(o->created, raw);
+    char iso[CREATED_MAX];
+    int plain = plain_created(o, raw, iso);
+    if (plain) return plain < 0 ? -1 : col_str(c, iso, plain, 1);
+    PyObject *text = created_text(o, raw);
     if (!text) return -1;
     int rc = col_str_obj(c, text);
     Py_DECREF(text);

@@ -2,6 +2,8 @@
  * builds, the same filters, leaves, paths, shared turns and rewards. */
 #include "page.h"
 
+#include <datetime.h>
+
 /* ``_json_loads`` (server/export/query.py) of a str, its checks in C: orjson's reading unless the text
  * holds a run of 19 digits (maybe an integer beyond 64 bits) or orjson refuses it (NaN, ...): then the
  * decoder's own. New reference */
@@ -877,10 +879,21 @@ PyObject *get(PyObject *dict, PyObject *key) {
 }
 
 
-/* ``created_texts``' fast path: SQLite's stored ``YYYY-MM-DD HH:MM:SS.ffffff`` (ASCII, so that its 26
- * bytes are 26 characters) as isoformat writes it, into iso: 1; 0 for any other value (the caller's
- * conversion); -1 error */
-int sqlite_created(PyObject *raw, char iso[26]) {
+/* ``created_texts``' fast paths, as isoformat writes the value into iso: the length; 0 for any other value
+ * (the caller's conversion); -1 error. SQLite stores ``YYYY-MM-DD HH:MM:SS.ffffff`` (ASCII, so that its
+ * 26 bytes are 26 characters); asyncpg gives datetimes in UTC (where the decoder leaves them as they are:
+ * no ``created`` callable) */
+int plain_created(Opts *o, PyObject *raw, char iso[CREATED_MAX]) {
+    if (o->created == Py_None && PyDateTime_CheckExact(raw) &&
+        PyDateTime_DATE_GET_TZINFO(raw) == PyDateTime_TimeZone_UTC) {
+        int us = PyDateTime_DATE_GET_MICROSECOND(raw);
+        char frac[16] = "";
+        if (us) snprintf(frac, sizeof frac, ".%06d", us);
+        int n = snprintf(iso, CREATED_MAX, "%04d-%02d-%02dT%02d:%02d:%02d%s+00:00", PyDateTime_GET_YEAR(raw),
+                         PyDateTime_GET_MONTH(raw), PyDateTime_GET_DAY(raw), PyDateTime_DATE_GET_HOUR(raw),
+                         PyDateTime_DATE_GET_MINUTE(raw), PyDateTime_DATE_GET_SECOND(raw), frac);
+        return n > 0 && n < CREATED_MAX ? n : 0;
+    }
     if (!PyUnicode_CheckExact(raw)) return 0;
     Py_ssize_t n;
     const char *s = PyUnicode_AsUTF8AndSize(raw, &n);
@@ -890,7 +903,19 @@ int sqlite_created(PyObject *raw, char iso[26]) {
         if (s[i] < 0x20 || s[i] >= 0x7f) return 0;
     memcpy(iso, s, 26);
     iso[10] = 'T';
-    return 1;
+    return 26;
+}
+
+/* any other created_at: ``created(raw)``, or without that callable raw.isoformat() (None: None) */
+PyObject *created_text(Opts *o, PyObject *raw) {
+    if (o->created != Py_None) return PyObject_CallOneArg(o->created, raw);
+    if (raw == Py_None) Py_RETURN_NONE;
+    return PyObject_CallMethod(raw, "isoformat", NULL);
+}
+
+int created_init(void) {
+    PyDateTime_IMPORT;
+    return PyDateTimeAPI ? 0 : -1;
 }
 
 /* the version of each of the turn's completion tokens (``token_versions``; int32 as the page path's

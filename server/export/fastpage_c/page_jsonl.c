@@ -166,10 +166,10 @@ int buf_stop(Buf *b, Opts *o, PyObject *raw) {
 
 /* ``created_texts``: SQLite's stored text to isoformat's, else the caller's conversion */
 static int buf_created(Buf *b, Opts *o, PyObject *raw) {
-    char iso[26];
-    int plain = sqlite_created(raw, iso);
-    if (plain) return plain < 0 ? -1 : buf_json_utf8(b, iso, 26);
-    PyObject *text = PyObject_CallOneArg(o->created, raw);
+    char iso[CREATED_MAX];
+    int plain = plain_created(o, raw, iso);
+    if (plain) return plain < 0 ? -1 : buf_json_utf8(b, iso, plain);
+    PyObject *text = created_text(o, raw);
     if (!text) return -1;
     int rc = buf_value(b, o, text);
     Py_DECREF(text);

@@ -239,6 +239,46 @@ def test_page_rollouts_are_the_one_by_one_rollouts_on_sqlite(tmp_path: Path) -> 
     url = f"sqlite+aiosqlite:///{tmp_path / 'pages.db'}"
     _check(url)
     asyncio.run(_no_cycles(url))
+    _same_rows_as_sqlite3(tmp_path / "pages.db", url)
+
+
+def _same_rows_as_sqlite3(path: Path, url: str) -> None:
+    """The compiled SQLite reader (what the export's pages read through where it was built) gives each
+    page statement's rows as ``sqlite3`` does: the same values of the same types."""
+    import sqlite3
+
+    from server.db import create_engine
+    from server.export.query import M_ID
+
+    if not fastpage.AVAILABLE:
+        return
+    reader = fastpage.SqliteReader.open(str(path), pragmas=["busy_timeout=30000"])
+    assert reader is not None, "SQLite's library not found through the sqlite3 extension"
+    engine = create_engine(url)
+    statements = page_queries(engine, ExportFilters()).statements
+    asyncio.run(engine.dispose())
+    conn = sqlite3.connect(path)
+
+    def same(sql: str, params: list[Any]) -> list[Any]:
+        ours, theirs = reader.rows(sql, params), conn.execute(sql, params).fetchall()
+        assert ours == theirs
+        assert [tuple(map(type, row)) for row in ours] == [tuple(map(type, row)) for row in theirs]
+        return ours
+
+    try:
+        chats = same(statements["chats"].sql, statements["chats"].args(after="", last="\uffff"))
+        ids = '["' + '","'.join(c[0] for c in chats) + '"]'
+        messages = same(statements["messages"].sql, statements["messages"].args(after="", last="\uffff", ids=ids))
+        replies = '["' + '","'.join(m[M_ID] for m in messages) + '"]'
+        assert len(same(statements["tokens"].sql, statements["tokens"].args(ids=replies))) >= 100
+        same("SELECT 1, -2.5, 'é' || char(0) || '😀', x'00ff', NULL, ?, ?, ?, ?", [None, -(2**63), 1e-300, "ü"])
+        with pytest.raises(RuntimeError, match="no such column"):
+            reader.rows("SELECT nope", [])
+        with pytest.raises(ValueError, match="0 parameters for 1"):
+            reader.rows("SELECT ?", [])
+    finally:
+        reader.close()
+        conn.close()
 
 
 async def _no_cycles(url: str) -> None:

@@ -128,6 +128,19 @@ def test_no_pages_is_an_empty_file_with_the_schema(tmp_path: Path) -> None:
     assert table.num_rows == 0 and table.schema.equals(SCHEMA)
 
 
+def test_the_exports_writer_skips_pages_without_rollouts(tmp_path: Path) -> None:
+    """A page whose chats give no rollout reaches the writer as an empty payload (from a worker: an
+    empty frame) and adds no row group."""
+    from server.export.writers import ArrowEncoder, RolloutParquetWriter
+
+    path = tmp_path / "pages.parquet"
+    writer = RolloutParquetWriter(path)
+    writer.write_page(ArrowEncoder().payload())  # an encoder given no chats
+    writer.write_page([bytearray()])  # what the exporting process reads from a worker's empty frame
+    writer.close()
+    assert pq.read_table(path).num_rows == 0 and pq.ParquetFile(path).metadata.num_row_groups == 0
+
+
 def test_what_is_not_one_row_group_is_refused() -> None:
     with pytest.raises(ParquetLayoutError, match="not a Parquet file"):
         split_file(b"PAR1 this is not parquet")

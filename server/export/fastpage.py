@@ -126,3 +126,31 @@ def arrow_batch(chats: Sequence[Chat], filters: ExportFilters, dec: Decoders, pa
 
     columns, rollouts = built
     return native_batch(columns, rollouts, filters.reward_rule)
+
+
+class SqliteReader:
+    """A SQLite connection of the compiled module's (``fastpage_c/sqlite_rows.c``): statements' rows as
+    ``sqlite3``'s ``execute(...).fetchall()`` gives them, for less CPU. One thread at a time."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+
+    @classmethod
+    def open(
+        cls, database: str, *, pragmas: Sequence[str] = (), uri: bool = False, **ignored: Any
+    ) -> SqliteReader | None:
+        """A reader of ``database`` (``sqlite3.connect``'s arguments; those about threads and types do
+        not apply), or None where the module was not built or SQLite's library is not found in this
+        process (Python's ``sqlite3`` linked it statically): the caller then uses ``sqlite3``."""
+        if _native is None or ignored.get("detect_types") or ignored.get("factory"):
+            return None
+        import _sqlite3
+
+        handle = _native.sqlite_open(_sqlite3.__file__, str(database), bool(uri), list(pragmas))
+        return None if handle is None else cls(handle)
+
+    def rows(self, sql: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
+        return _native.sqlite_rows(self._handle, sql, list(params))  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        _native.sqlite_close(self._handle)

@@ -79,22 +79,36 @@ class Connection(Protocol):
 
 
 class _Sqlite:
-    """Runs each statement to its end in the calling thread (a page takes milliseconds)."""
+    """Runs each statement to its end in the calling thread (a page takes milliseconds): through the
+    compiled reader where it was built and finds SQLite's library (``fastpage.SqliteReader``: the same
+    rows, less CPU), else through ``sqlite3``."""
 
     def __init__(self, queries: PageQueries) -> None:
+        from server.export.fastpage import SqliteReader
+
         args, kwargs = queries.connect_args
-        self._conn = sqlite3.connect(*args, **kwargs)
-        for pragma in SQLITE_PRAGMAS:  # the server's settings (busy_timeout: wait for a writer)
-            self._conn.execute(f"PRAGMA {pragma}")
+        # the server's settings (busy_timeout: wait for a writer)
+        self._fast = SqliteReader.open(*args, pragmas=SQLITE_PRAGMAS, **kwargs)
+        self._conn = None
+        if self._fast is None:
+            self._conn = sqlite3.connect(*args, **kwargs)
+            for pragma in SQLITE_PRAGMAS:
+                self._conn.execute(f"PRAGMA {pragma}")
 
     async def rows(self, stmt: _Statement, **params: Any) -> list[Any]:
         if isinstance(params.get("ids"), list):
             params["ids"] = orjson.dumps(params["ids"]).decode()  # json_each reads the list
+        if self._fast is not None:
+            return self._fast.rows(stmt.sql, stmt.args(**params))
+        assert self._conn is not None
         rows: list[Any] = self._conn.execute(stmt.sql, stmt.args(**params)).fetchall()
         return rows
 
     async def close(self) -> None:
-        self._conn.close()
+        if self._fast is not None:
+            self._fast.close()
+        if self._conn is not None:
+            self._conn.close()
 
 
 class _Postgres:

@@ -326,8 +326,9 @@ class RolloutParquetWriter:
         self._writer = StitchedParquetWriter(path, ROLLOUT_SCHEMA, **rollout_parquet_options())
 
     def write_page(self, payload: list[Any]) -> None:
-        if payload:
-            self._writer.add(PageFile.from_payload(payload[0] if len(payload) == 1 else b"".join(payload)))
+        data = payload[0] if len(payload) == 1 else b"".join(payload)
+        if len(data):  # (a page without rollouts: nothing to add)
+            self._writer.add(PageFile.from_payload(data))
 
     def splice_target(self) -> int | None:
         return None

@@ -85,6 +85,10 @@ static PyMethodDef methods[] = {
      "path, json, loads, created, stop_reason, dumps, floats, head, rule_text, stop_cache) -> (bytes, rollouts) | None"},
     {"arrow_page", arrow_page, METH_VARARGS,
      "arrow_page(the arguments of encode_page) -> ({column: (values, offsets, validity)}, rollouts) | None"},
+    {"sqlite_open", sqlite_open, METH_VARARGS,
+     "sqlite_open(sqlite3 extension's path, filename, uri, pragmas) -> reader | None (the library not found)"},
+    {"sqlite_rows", sqlite_rows, METH_VARARGS, "sqlite_rows(reader, sql, params) -> [tuple, ...]"},
+    {"sqlite_close", sqlite_close, METH_O, "sqlite_close(reader)"},
     {NULL, NULL, 0, NULL},
 };
 

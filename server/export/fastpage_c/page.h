@@ -101,6 +101,11 @@ PyObject *created_text(Opts *o, PyObject *raw);
 int created_init(void);
 void turn_versions(const Turn *t, int32_t *out);
 
+/* sqlite_rows.c */
+PyObject *sqlite_open(PyObject *self, PyObject *args);
+PyObject *sqlite_rows(PyObject *self, PyObject *args);
+PyObject *sqlite_close(PyObject *self, PyObject *capsule);
+
 /* page_jsonl.c */
 int buf_value(Buf *b, Opts *o, PyObject *v);
 int buf_stop(Buf *b, Opts *o, PyObject *raw);

@@ -362,6 +362,9 @@ def child(spec: dict[str, Any]) -> None:
 
     settings = ServerSettings(database_url=spec["url"], migrate_on_start=False, data_dir=Path(spec["out"]).parent)
     out = Path(spec["out"])
+    # into a new file, as an export usually writes: replacing the last run's (hundreds of MB) would time
+    # the kernel dropping that file's pages and, on ext4, writing the new one out when it is closed
+    out.unlink(missing_ok=True)
     try:  # reset the high-water mark to the current RSS (Linux >= 4.0); else VmHWM covers start-up too
         with open("/proc/self/clear_refs", "w") as fh:
             fh.write("5")

@@ -152,7 +152,9 @@ def test_votes_validation(embedded_stack: str, stored: dict[str, Any]) -> None:
     expect(httpx.post(path, json={"score": 1}, headers=mallory), 404, "chat_not_found")
 
 
-def test_admin_export_endpoint(embedded_stack: str, embedded_settings: ServerSettings, stored: dict[str, Any]) -> None:
+def test_admin_export_endpoint(
+    embedded_stack: str, embedded_settings: ServerSettings, stored: dict[str, Any], tmp_path: Path
+) -> None:
     key = run_cli("admin", "create-user", "ex-admin", "--admin", "--data-dir", str(embedded_settings.data_dir)).strip()
     resp = httpx.get(
         f"{embedded_stack}/admin/export", params={"user": "ex-alice"}, headers={"Authorization": f"Bearer {key}"}
@@ -160,6 +162,16 @@ def test_admin_export_endpoint(embedded_stack: str, embedded_settings: ServerSet
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("application/x-ndjson")
     leaves = {json.loads(line)["leaf_message_id"] for line in resp.text.splitlines()}
     assert leaves == {stored["regen"], stored["a3"]}
+    # the bytes tokentrail export writes, in every schema (the same page path, in the server's process)
+    for schema in ("tokentrail", "verl", "slime"):
+        resp = httpx.get(
+            f"{embedded_stack}/admin/export", params={"schema": schema}, headers={"Authorization": f"Bearer {key}"}
+        )
+        out = tmp_path / f"all.{schema}.jsonl"
+        run_cli(
+            "export", "--out", str(out), "--schema", schema, "--quiet", "--data-dir", str(embedded_settings.data_dir)
+        )
+        assert resp.status_code == 200 and resp.content == out.read_bytes() and len(resp.content.splitlines()) >= 3
     user = login(embedded_stack, "ex-alice")
     expect(httpx.get(f"{embedded_stack}/admin/export", headers=user), 403, "forbidden")
 

@@ -4,6 +4,7 @@ A real server with a real hf worker; the official ``openai`` SDK plays the agent
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -16,15 +17,17 @@ from openai import OpenAI
 from server.admin import issue_user_key
 from server.db import create_engine, create_session_factory
 from server.export.query import ExportFilters
-from server.export.reader import iter_rollouts
+from server.export.stream import export_lines
 from tests.stack import MODEL, hf_stack, start_reply
 
 
 async def _export(settings: Any, rule: str = "last") -> list[dict[str, Any]]:
+    """A full export (what ``GET /admin/export`` streams)."""
     engine = create_engine(settings.effective_database_url)
     try:
-        sessions = create_session_factory(engine)
-        return [r async for r in iter_rollouts(sessions, ExportFilters(reward_rule=rule))]  # type: ignore[arg-type]
+        filters = ExportFilters(reward_rule=rule)  # type: ignore[arg-type]
+        lines = [text async for text in export_lines(engine, create_session_factory(engine), filters, "tokentrail")]
+        return [json.loads(line) for line in b"".join(lines).splitlines()]
     finally:
         await engine.dispose()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import os
 import signal
 import subprocess
@@ -25,7 +26,7 @@ import tokentrail
 from server.admin import issue_user_key
 from server.db import create_engine, create_session_factory
 from server.export.query import ExportFilters
-from server.export.reader import iter_rollouts
+from server.export.stream import export_lines
 from tests.stack import MODEL, hf_stack, wait_for
 from tokentrail.feed import FeedError
 
@@ -54,9 +55,12 @@ def _episode(url: str, key: str, turns: int, reward: float | None, done: bool = 
 
 
 async def _export(settings: Any) -> dict[str, dict[str, Any]]:
+    """A full export (what ``GET /admin/export`` streams), by rollout id."""
     engine = create_engine(settings.effective_database_url)
     try:
-        return {r["rollout_id"]: r async for r in iter_rollouts(create_session_factory(engine), ExportFilters())}
+        sessions = create_session_factory(engine)
+        lines = [text async for text in export_lines(engine, sessions, ExportFilters(), "tokentrail")]
+        return {r["rollout_id"]: r for r in map(json.loads, b"".join(lines).splitlines())}
     finally:
         await engine.dispose()
 

@@ -17,7 +17,7 @@ from server.db import create_engine, create_session_factory, is_sqlite
 from server.errors import ApiError
 from server.export.pairs import iter_pairs
 from server.export.query import ExportFilters
-from server.export.reader import iter_rollouts
+from server.export.stream import export_lines
 from shared.api import ApiKeyRead, UserRead, WorkerKeyRead, WorkerRead
 from shared.errors import ErrorCode
 from shared.pairs import PAIR_SCHEMAS, adapt_pair
@@ -61,7 +61,7 @@ async def export(
     ] = False,
 ) -> StreamingResponse:
     """Rollouts as JSON Lines, streamed (same filters and schemas as ``tokentrail export``)."""
-    from shared.rollout_adapters import SCHEMAS, adapt
+    from shared.rollout_adapters import SCHEMAS
 
     if pairs:  # preference pairs (server/export/pairs.py)
         _check_pair_request(schema, rated_only or min_score is not None or include_incomplete or reward_rule != "last")
@@ -83,7 +83,7 @@ async def export(
 
     async def lines() -> AsyncIterator[bytes]:
         url = state.settings.effective_database_url
-        # SQLite: the export reads batches on aiosqlite's thread, not the thread serving the streams
+        # SQLite: the pairs' export reads batches on aiosqlite's thread, not the thread serving the streams
         engine = create_engine(url, inline=False) if is_sqlite(url) else None
         sessions = create_session_factory(engine) if engine is not None else state.sessions
         try:
@@ -91,9 +91,14 @@ async def export(
                 async for pair in iter_pairs(sessions, filters):
                     yield orjson.dumps(adapt_pair(pair, schema)) + b"\n"
                 return
-            async for rollout in iter_rollouts(sessions, filters):
-                for record in adapt(rollout, schema):
-                    yield orjson.dumps(record) + b"\n"
+            # the rollouts: what tokentrail export writes, by its page path (connections of its own)
+            compiler = engine if engine is not None else create_engine(url)
+            try:
+                async for text in export_lines(compiler, sessions, filters, schema):
+                    yield text
+            finally:
+                if compiler is not engine:
+                    await compiler.dispose()
         finally:
             if engine is not None:
                 await engine.dispose()

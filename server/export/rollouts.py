@@ -1,7 +1,7 @@
 """Export stored conversations as RL rollouts (native ``tokentrail`` schema; see shared/rollout.py).
 
-Rollouts are built from rows (``server/export/query.py`` lays them out; ``server/export/pages.py`` and
-``server/export/reader.py`` read them page by page, in constant memory). One rollout per path that
+Rollouts are built from rows (``server/export/query.py`` lays them out; ``server/export/pages.py``
+reads them page by page, in constant memory). One rollout per path that
 ends in an assistant leaf (an assistant message with no assistant descendant); branches become
 separate rollouts that share their prefix. Chats whose owner opted out of data use are never
 exported.

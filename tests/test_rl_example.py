@@ -4,7 +4,10 @@ version (the script exits non-zero otherwise)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,12 +21,18 @@ ROOT = Path(__file__).resolve().parents[1]
 # builds it, or waits for another test process building it (minutes on two busy cores).
 @pytest.mark.timeout(900)
 def test_rl_loop_runs_and_its_rollouts_follow_the_pushed_versions() -> None:
-    proc = subprocess.run(
+    # in a session of its own: however the test ends, the example's server goes with it
+    proc = subprocess.Popen(
         [sys.executable, str(ROOT / "examples" / "rl_loop.py"), "--steps", "3", "--agents", "8", "--json"],
-        capture_output=True, text=True, timeout=840, cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = json.loads(proc.stdout[proc.stdout.index("[\n") :])
+    try:
+        stdout, stderr = proc.communicate(timeout=840)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    rows = json.loads(stdout[stdout.index("[\n") :])
     assert [r["rollout_versions"] for r in rows] == [[0], [1], [2]]
     assert [r["pushed"] for r in rows] == [1, 2, 3]
-    assert "(ok)" in proc.stdout
+    assert "(ok)" in stdout

@@ -38,7 +38,7 @@ static int build(PyObject *args, Opts *o, Page *p) {
         if (o->min_score == -1.0 && PyErr_Occurred()) return -1;
     }
     p->o = o;
-    if (!(p->index = PyDict_New()) || !(o->decoded = PyDict_New()) || !(o->samplings = PyDict_New()) ||
+    if (!(p->index = PyDict_New()) || !(o->decoded = PyDict_New()) ||
         !(o->sampling_parts = PyDict_New()))
         return -1;
     PyObject *seq = PySequence_Fast(chats, "chats");
@@ -53,7 +53,6 @@ static int build(PyObject *args, Opts *o, Page *p) {
 static void page_done(Opts *o, Page *p) {
     page_free(p);
     Py_XDECREF(o->decoded);
-    Py_XDECREF(o->samplings);
     Py_XDECREF(o->sampling_parts);
 }
 

@@ -34,8 +34,7 @@ typedef struct {
     PyObject *rule_text;      /* the reward rule's JSON text */
     PyObject *stop_cache;     /* dict: raw stop reason -> its JSON text */
     PyObject *decoded;        /* the page's JSON columns decoded: raw text -> value (read, never changed) */
-    PyObject *samplings;      /* raw work parameters -> (sampling JSON text, temperature) */
-    PyObject *sampling_parts; /* raw sampling parameters -> (JSON before the seed, after it, temperature) */
+    PyObject *sampling_parts; /* raw sampling parameters -> (record's JSON before the seed, after it, temperature) */
 } Opts;
 
 /* --- a page's turns and rollouts ------------------------------------------------------------------- */

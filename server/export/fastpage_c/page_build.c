@@ -190,44 +190,6 @@ static PyObject *read_work(Opts *o, PyObject *raw) {
     return work;
 }
 
-/* the turn's sampling (its work's sampling parameters with its seed) as JSON, and its temperature (1.0
- * where the parameters have none): once per distinct work text. 0, -1 error, 1 not a shape taken here */
-static int read_sampling(Opts *o, PyObject *raw, Turn *t) {
-    PyObject *known = PyDict_GetItemWithError(o->samplings, raw);
-    if (!known && PyErr_Occurred()) PyErr_Clear();  /* unhashable: made each time */
-    if (known) {
-        t->sampling = PyTuple_GET_ITEM(known, 0);
-        t->temperature = PyTuple_GET_ITEM(known, 1);
-        Py_INCREF(t->sampling);
-        Py_INCREF(t->temperature);
-        return 0;
-    }
-    PyObject *params = get(t->work, K_SAMPLING);
-    int truth = PyObject_IsTrue(params);
-    if (truth < 0) return -1;
-    if (truth && !PyDict_Check(params)) return 1;
-    PyObject *sampling = truth ? PyDict_Copy(params) : PyDict_New();
-    if (!sampling) return -1;
-    if (PyDict_SetItem(sampling, K_SEED, get(t->work, K_SEED)) < 0) {
-        Py_DECREF(sampling);
-        return -1;
-    }
-    PyObject *temp = get(sampling, K_TEMPERATURE);
-    t->temperature = temp == Py_None ? PyFloat_FromDouble(1.0) : PyNumber_Float(temp);
-    Buf text = {0};
-    int rc = t->temperature ? buf_value(&text, o, sampling) : -1;
-    Py_DECREF(sampling);
-    if (rc == 0) t->sampling = PyBytes_FromStringAndSize(text.data ? text.data : "", text.len);
-    PyMem_Free(text.data);
-    if (rc < 0 || !t->sampling) return -1;
-    PyObject *entry = PyTuple_Pack(2, t->sampling, t->temperature);
-    if (!entry) return -1;
-    rc = PyDict_SetItem(o->samplings, raw, entry);
-    Py_DECREF(entry);
-    if (rc < 0) PyErr_Clear();  /* (unhashable: not kept) */
-    return 0;
-}
-
 /* --- the members of the work parameters a record takes, without decoding the rest (json_members.c) --- */
 
 enum { W_SAMPLING, W_SEED, W_SYSTEM, W_TOOLS, W_COUNT };
@@ -267,38 +229,16 @@ static PyObject *work_member(Opts *o, const WorkText *w, int j) {
     return value;
 }
 
-/* the sampling parameters' record without their seed, once per distinct text: (JSON before the seed's
- * value, JSON after it, temperature), as ``read_sampling`` makes it; NULL with an error, or Py_None: not
- * a shape taken here. Borrowed */
-static PyObject *sampling_parts(Opts *o, const WorkText *w) {
-    PyObject *key;
-    if (w->start[W_SAMPLING] < 0) {
-        key = Py_None;
-        Py_INCREF(key);
-    } else {
-        key = PyUnicode_DecodeUTF8(w->s + w->start[W_SAMPLING], w->end[W_SAMPLING] - w->start[W_SAMPLING], NULL);
-        if (!key) return NULL;
-    }
-    PyObject *parts = PyDict_GetItemWithError(o->sampling_parts, key);
-    if (parts || PyErr_Occurred()) {
-        Py_DECREF(key);
-        return parts;
-    }
-    PyObject *params = key == Py_None ? Py_NewRef(Py_None) : decode(o, key);
-    if (!params) {
-        Py_DECREF(key);
-        return NULL;
-    }
+/* a turn's sampling record is its work's sampling parameters with "seed" set to the work's seed (where the
+ * key is, or last) and its temperature the parameters' (1.0 where none): of ``params`` (decoded), the
+ * record's JSON before the seed's value, after it, and the temperature. New reference; NULL with an error,
+ * or Py_None: not a shape taken here */
+static PyObject *sampling_parts_of(Opts *o, PyObject *params) {
     int truth = PyObject_IsTrue(params);
+    if (truth < 0) return NULL;
+    if (truth && !PyDict_Check(params)) Py_RETURN_NONE;
     Buf pre = {0}, post = {0};
-    PyObject *temperature = NULL;
-    parts = NULL;
-    if (truth < 0) goto done;
-    if (truth && !PyDict_Check(params)) {
-        parts = Py_None;
-        goto done;
-    }
-    /* the record is the parameters with "seed" set to the work's seed: where the key is, or last */
+    PyObject *temperature = NULL, *parts = NULL;
     int seen = 0, first = 1;
     if (buf_char(&pre, '{') < 0) goto done;
     if (truth) {
@@ -316,37 +256,68 @@ static PyObject *sampling_parts(Opts *o, const WorkText *w) {
     if (buf_char(&post, '}') < 0) goto done;
     PyObject *temp = truth ? get(params, K_TEMPERATURE) : Py_None;
     temperature = temp == Py_None ? PyFloat_FromDouble(1.0) : PyNumber_Float(temp);
-    if (!temperature) goto done;
-    PyObject *entry = Py_BuildValue("(y#y#O)", pre.data ? pre.data : "", pre.len, post.data, post.len, temperature);
-    if (entry && PyDict_SetItem(o->sampling_parts, key, entry) == 0) parts = entry;  /* (the dict holds it) */
-    Py_XDECREF(entry);
+    if (temperature) parts = Py_BuildValue("(y#y#O)", pre.data, pre.len, post.data, post.len, temperature);
 done:
     PyMem_Free(pre.data);
     PyMem_Free(post.data);
     Py_XDECREF(temperature);
-    Py_DECREF(params);
+    return parts;
+}
+
+/* ``sampling_parts_of`` the sampling parameters in the work's text, once per distinct text. Borrowed */
+static PyObject *sampling_parts(Opts *o, const WorkText *w) {
+    PyObject *key;
+    if (w->start[W_SAMPLING] < 0) {
+        key = Py_NewRef(Py_None);
+    } else {
+        key = PyUnicode_DecodeUTF8(w->s + w->start[W_SAMPLING], w->end[W_SAMPLING] - w->start[W_SAMPLING], NULL);
+        if (!key) return NULL;
+    }
+    PyObject *parts = PyDict_GetItemWithError(o->sampling_parts, key);
+    if (!parts && !PyErr_Occurred()) {
+        PyObject *params = key == Py_None ? Py_NewRef(Py_None) : decode(o, key);
+        PyObject *made = params ? sampling_parts_of(o, params) : NULL;
+        if (made && PyDict_SetItem(o->sampling_parts, key, made) == 0) parts = made;  /* (the dict holds it) */
+        Py_XDECREF(made);
+        Py_XDECREF(params);
+    }
     Py_DECREF(key);
     return parts;
 }
 
-/* ``read_sampling`` from the members of the work's text: 0, -1 error, 1 not a shape taken here */
+/* the turn's sampling record and temperature from ``parts`` and the work's seed: 0, -1 error */
+static int put_sampling(Opts *o, PyObject *parts, PyObject *seed, Turn *t) {
+    PyObject *pre = PyTuple_GET_ITEM(parts, 0), *post = PyTuple_GET_ITEM(parts, 1);
+    Buf b = {0};
+    int rc = buf_put(&b, PyBytes_AS_STRING(pre), PyBytes_GET_SIZE(pre));
+    if (rc == 0) rc = buf_value(&b, o, seed);
+    if (rc == 0) rc = buf_put(&b, PyBytes_AS_STRING(post), PyBytes_GET_SIZE(post));
+    if (rc == 0 && !(t->sampling = PyBytes_FromStringAndSize(b.data, b.len))) rc = -1;
+    PyMem_Free(b.data);
+    if (rc < 0) return -1;
+    t->temperature = Py_NewRef(PyTuple_GET_ITEM(parts, 2));
+    return 0;
+}
+
+/* the turn's sampling from the members of its work's text: 0, -1 error, 1 not a shape taken here */
 static int quick_sampling(Opts *o, const WorkText *w, Turn *t) {
     PyObject *parts = sampling_parts(o, w);
     if (!parts) return -1;
     if (parts == Py_None) return 1;
     PyObject *seed = work_member(o, w, W_SEED);
     if (!seed) return -1;
-    PyObject *pre = PyTuple_GET_ITEM(parts, 0), *post = PyTuple_GET_ITEM(parts, 1);
-    Buf b = {0};
-    int rc = buf_put(&b, PyBytes_AS_STRING(pre), PyBytes_GET_SIZE(pre));
-    if (rc == 0) rc = buf_value(&b, o, seed);
-    if (rc == 0) rc = buf_put(&b, PyBytes_AS_STRING(post), PyBytes_GET_SIZE(post));
+    int rc = put_sampling(o, parts, seed, t);
     Py_DECREF(seed);
-    if (rc == 0 && !(t->sampling = PyBytes_FromStringAndSize(b.data, b.len))) rc = -1;
-    PyMem_Free(b.data);
-    if (rc < 0) return -1;
-    t->temperature = Py_NewRef(PyTuple_GET_ITEM(parts, 2));
-    return 0;
+    return rc;
+}
+
+/* the turn's sampling from its decoded work (t->work, a dict): 0, -1 error, 1 not a shape taken here */
+static int read_sampling(Opts *o, Turn *t) {
+    PyObject *parts = sampling_parts_of(o, get(t->work, K_SAMPLING));
+    if (!parts) return -1;
+    int rc = parts == Py_None ? 1 : put_sampling(o, parts, get(t->work, K_SEED), t);
+    Py_DECREF(parts);
+    return rc;
 }
 
 /* a leaf's work parameters: a dict with what its record takes (system prompt and tools), from the
@@ -505,7 +476,7 @@ static Py_ssize_t add_turn(Page *p, PyObject *m, PyObject *t, Py_ssize_t prev, P
         goto indexed;
     }
     tu->work = read_work(o, raw);
-    if (tu->work && tu->work != Py_None) rc = read_sampling(o, raw, tu);
+    if (tu->work && tu->work != Py_None) rc = read_sampling(o, tu);
     Py_DECREF(raw);
     if (!tu->work) return -2;
     if (tu->work == Py_None) return -3;

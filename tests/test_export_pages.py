@@ -210,9 +210,69 @@ async def _compare(url: str, filters: ExportFilters, odd: set[str]) -> tuple[int
                 native.validate(full=True)
                 for name in expected.schema.names:
                     assert native.column(name).equals(expected.column(name)), name
+                _same_parquet(chats, filters, dec, expected)
     finally:
         await conn.close()
     return at_once, compared, left
+
+
+def _same_parquet(chats: list[Any], filters: ExportFilters, dec: Any, expected: Any) -> None:
+    """The compiled Parquet writer's row group, in a file as the export writes it, reads back as the
+    expected batch, under 1 MiB pages and under pages of 100 bytes (a column chunk of many pages); its
+    top-level columns' statistics are those pyarrow writes for the same batch."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from server.export.columnar import ROLLOUT_SCHEMA
+    from server.export.parquet_pages import PageFile, RowGroupTemplate, page_file
+    from server.export.writers import ZSTD_LEVEL, native_parquet_fields, rollout_parquet_options
+
+    fields = native_parquet_fields()
+    if not fastpage.AVAILABLE or fields is None:
+        return
+    theirs = pq.ParquetFile(io.BytesIO(_stitched(page_file(expected, ROLLOUT_SCHEMA, **rollout_parquet_options()))))
+    for page_bytes in (1 << 20, 100):
+        written = fastpage.parquet_page(chats, filters, dec, PATHS, ZSTD_LEVEL, page_bytes)
+        assert written is not None, "libzstd not found"
+        (chunks, parts, offsets, rows), rollouts = written
+        assert rollouts == rows == expected.num_rows
+        page = PageFile(memoryview(chunks), RowGroupTemplate(parts, offsets, rows), fields)
+        ours = pq.ParquetFile(io.BytesIO(_stitched(page)))
+        table = ours.read()
+        assert table.schema.equals(ROLLOUT_SCHEMA)
+        for name in expected.schema.names:
+            want = pa.chunked_array([expected.column(name)]).combine_chunks()
+            assert table.column(name).combine_chunks().equals(want), name
+        if not rows:  # (no row group: the file is pyarrow's empty one)
+            continue
+        group, reference = ours.metadata.row_group(0), theirs.metadata.row_group(0)
+        for i in range(group.num_columns):
+            mine, pyarrows = group.column(i), reference.column(i)
+            assert mine.path_in_schema == pyarrows.path_in_schema and mine.num_values == pyarrows.num_values
+            assert mine.is_stats_set == pyarrows.is_stats_set, mine.path_in_schema
+            if pyarrows.is_stats_set:
+                a, b = mine.statistics, pyarrows.statistics
+                assert (a.null_count, a.has_min_max) == (b.null_count, b.has_min_max), mine.path_in_schema
+                if b.has_min_max:
+                    assert (a.min, a.max) == (b.min, b.max), mine.path_in_schema
+
+
+def _stitched(page: Any) -> bytes:
+    """A page's row group as the Parquet file the export writes of it."""
+    import tempfile
+
+    from server.export.columnar import ROLLOUT_SCHEMA
+    from server.export.parquet_pages import StitchedParquetWriter
+    from server.export.writers import rollout_parquet_options
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "page.parquet"
+        writer = StitchedParquetWriter(path, ROLLOUT_SCHEMA, **rollout_parquet_options())
+        writer.add(page)
+        writer.close()
+        return path.read_bytes()
 
 
 def _same_bytes(got: bytes, expected: bytes) -> None:

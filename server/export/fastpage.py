@@ -154,3 +154,43 @@ class SqliteReader:
 
     def close(self) -> None:
         _native.sqlite_close(self._handle)
+
+
+_PHYSICAL = {0: "BOOLEAN", 1: "INT32", 2: "INT64", 4: "FLOAT", 5: "DOUBLE", 6: "BYTE_ARRAY"}
+
+
+def parquet_leaves() -> list[tuple[str, str, int, int]] | None:
+    """The leaf columns the compiled Parquet writer writes: (dotted path, physical type, max definition,
+    max repetition level), as ``parquet_pages.leaf_columns`` reads them from a file; None: not built."""
+    if _native is None:
+        return None
+    return [(path, _PHYSICAL[kind], d, r) for path, kind, d, r in _native.parquet_leaves()]
+
+
+def parquet_page(
+    chats: Sequence[Chat],
+    filters: ExportFilters,
+    dec: Decoders,
+    paths: PolicyPaths,
+    zstd_level: int,
+    page_bytes: int = 1 << 20,
+) -> tuple[tuple[bytes, tuple[bytes, ...], tuple[int, ...], int], int] | None:
+    """The rollouts of ``chats`` as a Parquet row group of ``columnar.ROLLOUT_SCHEMA`` (PLAIN pages of
+    about ``page_bytes`` of values, as pyarrow's ``data_page_size``, compressed by zstd at
+    ``zstd_level``) written by the compiled encoder, and their number: the column
+    chunks' bytes and the ``parquet_pages.RowGroupTemplate`` of their metadata (parts, offsets, rows).
+    None: as ``encode_page``, or no libzstd on this machine."""
+    if _native is None:
+        return None
+    extra = (SCHEMA_NAME, SCHEMA_VERSION, filters.reward_rule, zstd_level, page_bytes)
+    result: tuple[tuple[bytes, tuple[bytes, ...], tuple[int, ...], int], int] | None = _native.parquet_page(
+        _args(chats, filters, dec, paths), extra
+    )
+    return result
+
+
+def keep_freed_memory(limit: int) -> bool:
+    """Have the C library's allocator serve blocks smaller than ``limit`` bytes from the heap and keep up
+    to twice that freed before giving memory back (glibc's ``mallopt``): for a process that allocates
+    and frees buffers of megabytes over and over. False where that is not available."""
+    return _native is not None and bool(_native.keep_freed_memory(limit))

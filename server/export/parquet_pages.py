@@ -233,11 +233,7 @@ _SIZES = struct.Struct("<QQ")
 def split_file(data: bytes | memoryview) -> PageFile:
     """A whole Parquet file of exactly one row group -> its chunks and metadata."""
     view = memoryview(data).cast("B")  # (pyarrow's buffers have format "b": signed)
-    if len(view) < 12 or view[:4] != MAGIC or view[-4:] != MAGIC:
-        raise ParquetLayoutError("not a Parquet file")
-    (footer_len,) = struct.unpack_from("<I", view, len(view) - 8)
-    footer_start = len(view) - 8 - footer_len
-    fields, _ = _fields(view, footer_start)
+    fields, footer_start = _footer(view)
     by_id = {fid: (kind, start, end) for fid, kind, start, end in fields}
     if _FILE_ROW_GROUPS not in by_id:
         raise ParquetLayoutError("no row_groups in the footer")
@@ -267,8 +263,43 @@ def split_file(data: bytes | memoryview) -> PageFile:
         raise ParquetLayoutError("a row group without num_rows")
     # slot values relative to the first chunk, which the file has at position len(MAGIC)
     group = RowGroupTemplate(tuple(out.parts), tuple(v - len(MAGIC) for v in out.values), rows)
-    rest = tuple((fid, k, bytes(view[s:e])) for fid, k, s, e in fields if fid not in (_FILE_NUM_ROWS, _FILE_ROW_GROUPS))
-    return PageFile(view[len(MAGIC) : footer_start], group, rest)
+    return PageFile(view[len(MAGIC) : footer_start], group, file_fields(view))
+
+
+def empty_file(schema: Any, **options: Any) -> bytes:
+    """The Parquet file pyarrow writes for ``schema`` with ``options`` and no rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sink = pa.BufferOutputStream()
+    pq.ParquetWriter(sink, schema, **options).close()
+    return bytes(sink.getvalue())
+
+
+def file_fields(data: bytes | memoryview) -> tuple[tuple[int, int, bytes], ...]:
+    """A Parquet file's footer fields but ``num_rows`` and ``row_groups`` (``PageFile.file_fields``)."""
+    view = memoryview(data).cast("B")
+    fields, _ = _footer(view)
+    return tuple((fid, k, bytes(view[s:e])) for fid, k, s, e in fields if fid not in (_FILE_NUM_ROWS, _FILE_ROW_GROUPS))
+
+
+def _footer(view: memoryview) -> tuple[list[Field], int]:
+    """The fields of a Parquet file's footer (``FileMetaData``), and where it starts."""
+    if len(view) < 12 or view[:4] != MAGIC or view[-4:] != MAGIC:
+        raise ParquetLayoutError("not a Parquet file")
+    (footer_len,) = struct.unpack_from("<I", view, len(view) - 8)
+    start = len(view) - 8 - footer_len
+    return _fields(view, start)[0], start
+
+
+def leaf_columns(data: bytes) -> list[tuple[str, str, int, int]]:
+    """A Parquet file's leaf columns: (dotted path, physical type, max definition, max repetition level)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pq.ParquetFile(pa.BufferReader(data)).schema
+    columns = (schema.column(i) for i in range(len(schema)))
+    return [(c.path, c.physical_type, c.max_definition_level, c.max_repetition_level) for c in columns]
 
 
 def page_file(batch: Any, schema: Any, **options: Any) -> PageFile:

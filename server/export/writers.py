@@ -15,6 +15,7 @@ completion is built one rollout at a time (``rows_rollout_parts``).
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import stat
@@ -26,11 +27,19 @@ from typing import Any, BinaryIO, Protocol
 
 import orjson
 
-from server.export.fastpage import arrow_batch, encode_page
+from server.export.fastpage import arrow_batch, encode_page, parquet_leaves, parquet_page
 from server.export.jsonl import rollout_line
 from server.export.page_jsonl import page_lines
 from server.export.page_rollouts import Chat, page_rollouts
-from server.export.parquet_pages import PageFile, StitchedParquetWriter, page_file
+from server.export.parquet_pages import (
+    PageFile,
+    RowGroupTemplate,
+    StitchedParquetWriter,
+    empty_file,
+    file_fields,
+    leaf_columns,
+    page_file,
+)
 from server.export.query import Decoders, ExportFilters, PolicyPaths
 from server.export.rollouts import fill_plain, rows_rollout_parts
 from shared.rollout import SCHEMA_NAME
@@ -263,13 +272,16 @@ class RecordsEncoder(_PerRollout):
 
 
 class ArrowEncoder(_PerRollout):
-    """Native rollouts as an Arrow record batch (``server/export/columnar.py``) written as a Parquet row group."""
+    """Native rollouts as a Parquet row group: written by the compiled encoder where it takes the page
+    (``fastpage.parquet_page``), else an Arrow record batch (``server/export/columnar.py``) that pyarrow
+    writes."""
 
     def __init__(self) -> None:
         from server.export.columnar import RolloutColumns
 
         self.columns = RolloutColumns()
         self.page: Any = None  # a page built at once (``page_batch``)
+        self.file: PageFile | None = None  # a page written at once (``parquet_page``)
 
     def add_chats(
         self, chats: Sequence[Chat], filters: ExportFilters, dec: Decoders, paths: PolicyPaths
@@ -277,19 +289,26 @@ class ArrowEncoder(_PerRollout):
         """One page's chats (an encoder per page: ``server/export/parallel.py``)."""
         from server.export.columnar import page_batch
 
-        if not self.columns.rollouts and self.page is None:
+        if not self.columns.rollouts and self.page is None and self.file is None:
+            fields = native_parquet_fields()
+            written = None if fields is None else parquet_page(chats, filters, dec, paths, ZSTD_LEVEL)
+            if fields is not None and written is not None:
+                (chunks, parts, offsets, rows), rollouts = written
+                if rollouts:
+                    self.file = PageFile(memoryview(chunks), RowGroupTemplate(parts, offsets, rows), fields)
+                return rollouts, rollouts
             built = arrow_batch(chats, filters, dec, paths)
             if built is not None:
                 self.page = built
                 return built.num_rows, built.num_rows
         page = page_rollouts(chats, filters, dec, paths)
-        if page is None or self.page is not None or self.columns.rollouts:  # a turn without a logprob per token
-            return super().add_chats(chats, filters, dec, paths)
+        if page is None or self.page is not None or self.file is not None or self.columns.rollouts:
+            return super().add_chats(chats, filters, dec, paths)  # a turn without a logprob per token
         self.page = page_batch(page, dec, filters.reward_rule)
         return len(page), len(page)
 
     def add(self, rollout: dict[str, Any]) -> int:
-        if self.page is not None:  # what came first stays first
+        if self.page is not None or self.file is not None:  # what came first stays first
             raise RuntimeError("ArrowEncoder: a rollout added after a page")
         self.columns.add(rollout)
         return 1
@@ -298,6 +317,9 @@ class ArrowEncoder(_PerRollout):
         """The rollouts added as a Parquet row group (``parquet_pages``; the encoder starts again empty)."""
         from server.export.columnar import ROLLOUT_SCHEMA, RolloutColumns
 
+        if self.file is not None:
+            written, self.file = self.file, None
+            return written.payload()
         batch = self.page if self.page is not None else self.columns.batch()
         self.columns, self.page = RolloutColumns(), None
         if not batch.num_rows:
@@ -311,6 +333,23 @@ class ArrowEncoder(_PerRollout):
         return page_file(batch, ROLLOUT_SCHEMA, **options).payload()
 
 
+ZSTD_LEVEL = 1  # Arrow's default level: what pyarrow writes for compression="zstd"
+
+
+@functools.cache
+def native_parquet_fields() -> tuple[tuple[int, int, bytes], ...] | None:
+    """The file metadata (``PageFile.file_fields``) of the row groups the compiled encoder writes: what
+    pyarrow writes for ``ROLLOUT_SCHEMA``; None where it is not built or writes other leaf columns than
+    this pyarrow's schema has (then pyarrow writes every page)."""
+    from server.export.columnar import ROLLOUT_SCHEMA
+
+    leaves = parquet_leaves()
+    if leaves is None:
+        return None
+    data = empty_file(ROLLOUT_SCHEMA, **rollout_parquet_options())
+    return file_fields(data) if leaf_columns(data) == leaves else None
+
+
 def rollout_parquet_options() -> dict[str, Any]:
     """How native rollouts are written to Parquet. Plain encoding: dictionaries of token ids and
     logprobs only cost time (zstd does better). Statistics (min and max) only for the scalar columns:
@@ -318,7 +357,12 @@ def rollout_parquet_options() -> dict[str, Any]:
     from server.export.columnar import ROLLOUT_SCHEMA
 
     scalars = [f.name for f in ROLLOUT_SCHEMA if f.name not in ("turns", "samples")]
-    return {"compression": "zstd", "use_dictionary": False, "write_statistics": scalars}
+    return {
+        "compression": "zstd",
+        "compression_level": ZSTD_LEVEL,
+        "use_dictionary": False,
+        "write_statistics": scalars,
+    }
 
 
 class RolloutParquetWriter:

@@ -12,6 +12,10 @@
  */
 #include "page.h"
 
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
+
 PyObject *K_SAMPLING, *K_SEED, *K_TEMPERATURE, *K_SYSTEM_PROMPT, *K_TOOLS, *SUM;
 
 /* the page of the arguments' chats, built into ``p``: 0, 1 a page this code does not take (the Python
@@ -56,8 +60,8 @@ static void page_done(Opts *o, Page *p) {
     Py_XDECREF(o->sampling_parts);
 }
 
-/* build, then write with ``writer``: (its result, rollouts), or None for the Python path */
-static PyObject *run(PyObject *args, PyObject *(*writer)(Page *)) {
+/* build, then write with ``writer`` (given ``extra``): (its result, rollouts), or None for the Python path */
+static PyObject *run(PyObject *args, PyObject *(*writer)(Page *, PyObject *), PyObject *extra) {
     Opts o = {0};
     Page p = {0};
     PyObject *result = NULL;
@@ -66,7 +70,7 @@ static PyObject *run(PyObject *args, PyObject *(*writer)(Page *)) {
         Py_INCREF(Py_None);
         result = Py_None;
     } else if (rc == 0) {
-        PyObject *written = writer(&p);
+        PyObject *written = writer(&p, extra);
         if (written == Py_None) result = written;
         else if (written) result = Py_BuildValue("(Nn)", written, p.n_rollouts);
     }
@@ -74,9 +78,32 @@ static PyObject *run(PyObject *args, PyObject *(*writer)(Page *)) {
     return result;
 }
 
-static PyObject *encode_page(PyObject *self, PyObject *args) { return run(args, page_jsonl); }
+static PyObject *jsonl_writer(Page *p, PyObject *extra) { return page_jsonl(p); }
+static PyObject *arrow_writer(Page *p, PyObject *extra) { return page_arrow(p); }
 
-static PyObject *arrow_page(PyObject *self, PyObject *args) { return run(args, page_arrow); }
+static PyObject *encode_page(PyObject *self, PyObject *args) { return run(args, jsonl_writer, NULL); }
+
+static PyObject *arrow_page(PyObject *self, PyObject *args) { return run(args, arrow_writer, NULL); }
+
+static PyObject *parquet_page(PyObject *self, PyObject *args) {
+    PyObject *build_args, *extra;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyTuple_Type, &build_args, &PyTuple_Type, &extra)) return NULL;
+    return run(build_args, page_parquet, extra);
+}
+
+static PyObject *keep_freed_memory(PyObject *self, PyObject *arg) {
+    long long n = PyLong_AsLongLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n <= 0 || n > (1LL << 30)) {
+        PyErr_SetString(PyExc_ValueError, "keep_freed_memory: a limit of 1 byte to 1 GiB");
+        return NULL;
+    }
+#ifdef __GLIBC__
+    return PyBool_FromLong(mallopt(M_MMAP_THRESHOLD, (int)n) && mallopt(M_TRIM_THRESHOLD, (int)(2 * n)));
+#else
+    Py_RETURN_FALSE;
+#endif
+}
 
 static PyMethodDef methods[] = {
     {"encode_page", encode_page, METH_VARARGS,
@@ -84,6 +111,13 @@ static PyMethodDef methods[] = {
      "path, json, loads, created, stop_reason, dumps, floats, head, rule_text, stop_cache) -> (bytes, rollouts) | None"},
     {"arrow_page", arrow_page, METH_VARARGS,
      "arrow_page(the arguments of encode_page) -> ({column: (values, offsets, validity)}, rollouts) | None"},
+    {"parquet_page", parquet_page, METH_VARARGS,
+     "parquet_page((the arguments of encode_page), (schema, schema version, reward rule, zstd level, page bytes)) -> "
+     "((column chunks, row group parts, row group offsets, rows), rollouts) | None"},
+    {"parquet_leaves", parquet_leaves, METH_NOARGS,
+     "parquet_leaves() -> [(path, physical type, max definition level, max repetition level)]"},
+    {"keep_freed_memory", keep_freed_memory, METH_O,
+     "keep_freed_memory(bytes) -> bool: smaller blocks from the heap, up to twice that kept when freed (glibc)"},
     {"sqlite_open", sqlite_open, METH_VARARGS,
      "sqlite_open(sqlite3 extension's path, filename, uri, pragmas) -> reader | None (the library not found)"},
     {"sqlite_rows", sqlite_rows, METH_VARARGS, "sqlite_rows(reader, sql, params) -> [tuple, ...]"},

@@ -114,4 +114,8 @@ PyObject *page_jsonl(Page *p);
 /* page_arrow.c */
 PyObject *page_arrow(Page *p);
 
+/* page_parquet.c */
+PyObject *page_parquet(Page *p, PyObject *extra);
+PyObject *parquet_leaves(PyObject *self, PyObject *unused);
+
 #endif

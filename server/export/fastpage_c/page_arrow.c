@@ -1,39 +1,13 @@
-/* A built page as the buffers of Arrow columns: the values ``page_batch`` (server/export/columnar.py)
- * puts in its record batch, which server/export/fastpage.py assembles (``pa.Array.from_buffers``).
- *
- * Each column is a name and up to three bytes: values (int32/int64/float32/float64 little-endian, one
- * byte per bool, or the UTF-8 of strings), string offsets (int32), validity (one byte per row, 0 for
- * null; absent where nothing is null). A list column is its row lengths (int32) under its name and its
- * items under ``name.items``. Turns are written per rollout in its order (a turn that branches share
- * repeats, as in ``page_batch``).
+/* A built page as the buffers of Arrow columns (page_cols.h): the values ``page_batch``
+ * (server/export/columnar.py) puts in its record batch, which server/export/fastpage.py assembles
+ * (``pa.Array.from_buffers``), a list's items under ``name.items``. Turns are written per rollout in its
+ * order (a turn that branches share repeats, as in ``page_batch``).
  */
 #include <math.h>
 
-#include "page.h"
+#include "page_cols.h"
 
-typedef struct {
-    const char *name;
-    Buf values, offsets, valid;
-    Py_ssize_t rows, nulls;
-} Col;
-
-enum {
-    /* rollouts */
-    R_ROLLOUT_ID, R_CHAT_ID, R_LEAF_ID, R_USER_ID, R_MODEL, R_TOKENIZER, R_TEMPLATE, R_ENGINE, R_SYSTEM,
-    R_TOOLS, R_REWARD, R_COMPLETE, R_POLICY_PATHS, R_TURNS, R_SAMPLES,
-    /* turns */
-    U_MESSAGE_ID, U_DELTA, U_DELTA_ITEMS, U_COMPLETION, U_COMPLETION_ITEMS, U_LOGPROBS, U_LOGPROBS_ITEMS,
-    U_FINISH, U_STOP, U_CLOSER, U_CLOSER_ITEMS, U_REUSED, U_FORK, U_METHOD, U_PROMPT_LENGTH, U_SAMPLING,
-    U_REWARD, U_DONE, U_VERSIONS, U_VERSIONS_SPANS, U_VERSIONS_ITEMS, U_CONTENT, U_REASONING, U_TOOL_CALLS,
-    U_CREATED,
-    /* samples */
-    S_IDS, S_IDS_ITEMS, S_MASK, S_MASK_ITEMS, S_LOGPROBS, S_LOGPROBS_ITEMS, S_PROMPT_LENGTH, S_SPANS,
-    S_SPANS_PAIRS, S_SPANS_ITEMS, S_INDICES, S_INDICES_ITEMS, S_TEMPERATURES, S_TEMPERATURES_ITEMS,
-    S_VERSIONS, S_VERSIONS_ITEMS,
-    N_COLS
-};
-
-static const char *NAMES[N_COLS] = {
+const char *const COL_NAMES[N_COLS] = {
     "rollout_id", "chat_id", "leaf_message_id", "user_id", "model_name", "tokenizer_hash", "template_hash",
     "engine", "system_prompt", "tools", "reward", "complete", "policy_paths", "turns", "samples",
     "turns.message_id", "turns.prompt_delta_ids", "turns.prompt_delta_ids.items", "turns.completion_ids",
@@ -316,14 +290,27 @@ static int write_rollout_cols(Col *c, Page *p, Rollout *r) {
 
 static PyObject *buf_bytes(Buf *b) { return PyBytes_FromStringAndSize(b->data ? b->data : "", b->len); }
 
+int page_cols(Page *p, Col cols[N_COLS]) {
+    int rc = 0;
+    for (Py_ssize_t i = 0; i < p->n_rollouts && rc == 0; i++) rc = write_rollout_cols(cols, p, &p->rollouts[i]);
+    return rc;
+}
+
+void cols_free(Col cols[N_COLS]) {
+    for (int k = 0; k < N_COLS; k++) {
+        PyMem_Free(cols[k].values.data);
+        PyMem_Free(cols[k].offsets.data);
+        PyMem_Free(cols[k].valid.data);
+    }
+}
+
 /* the page's columns: {name: (values, offsets or None, validity or None)}; None: a value this code
  * does not take (the Python path) */
 PyObject *page_arrow(Page *p) {
     Col cols[N_COLS];
     memset(cols, 0, sizeof(cols));
     PyObject *out = NULL;
-    int rc = 0;
-    for (Py_ssize_t i = 0; i < p->n_rollouts && rc == 0; i++) rc = write_rollout_cols(cols, p, &p->rollouts[i]);
+    int rc = page_cols(p, cols);
     if (rc == -3) {
         Py_INCREF(Py_None);
         out = Py_None;
@@ -339,7 +326,7 @@ PyObject *page_arrow(Page *p) {
         Py_XDECREF(values);
         Py_XDECREF(offsets);
         Py_XDECREF(valid);
-        if (!entry || PyDict_SetItemString(out, NAMES[k], entry) < 0) {
+        if (!entry || PyDict_SetItemString(out, COL_NAMES[k], entry) < 0) {
             Py_XDECREF(entry);
             Py_CLEAR(out);
             goto done;
@@ -347,10 +334,6 @@ PyObject *page_arrow(Page *p) {
         Py_DECREF(entry);
     }
 done:
-    for (int k = 0; k < N_COLS; k++) {
-        PyMem_Free(cols[k].values.data);
-        PyMem_Free(cols[k].offsets.data);
-        PyMem_Free(cols[k].valid.data);
-    }
+    cols_free(cols);
     return out;
 }

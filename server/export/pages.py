@@ -28,6 +28,7 @@ from server.export.query import (
     T_ID,
     Decoders,
     ExportFilters,
+    PolicyPaths,
     decoders,
     page_statements,
 )
@@ -133,16 +134,27 @@ async def connect(queries: PageQueries) -> Connection:
 
 async def page_bounds(conn: Connection, queries: PageQueries, size: int) -> list[tuple[str, str]]:
     """The export's pages of ``size`` chats (the last one maybe fewer) as bounds (after, last]."""
+    return [bounds async for bounds in iter_page_bounds(conn, queries, size)]
+
+
+async def iter_page_bounds(conn: Connection, queries: PageQueries, size: int) -> AsyncIterator[tuple[str, str]]:
+    """``page_bounds``, each as soon as it is read."""
     st = queries.statements
-    bounds: list[tuple[str, str]] = []
     after = ""
     while rows := await conn.rows(st["bound"], after=after, skip=size - 1):
-        bounds.append((after, rows[0][0]))
+        yield after, rows[0][0]
         after = rows[0][0]
     last = (await conn.rows(st["last"], after=after))[0][0]
     if last is not None:
-        bounds.append((after, last))
-    return bounds
+        yield after, last
+
+
+async def read_paths(conn: Connection, queries: PageQueries) -> PolicyPaths:
+    """The registry of weights versions (``query.read_policy_paths``) on a page connection."""
+    paths: dict[str, dict[int, str]] = {}
+    for model, version, path in await conn.rows(queries.statements["policy"]):
+        paths.setdefault(str(model), {})[int(version)] = str(path)
+    return PolicyPaths(paths)
 
 
 # Chats per read. Few on SQLite: their rows become rollouts while still in the CPU's caches; more on

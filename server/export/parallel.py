@@ -2,8 +2,9 @@
 
 Turning rows into rollouts and rollouts into JSON or Arrow is Python's work (about a tenth of a
 millisecond per rollout) and holds the GIL, so a second core takes a second process. The pages (ranges
-of chat ids, fixed at the start: ``page_bounds``) are dealt out, page k to worker k mod n; each worker
-reads its pages on a database connection of its own, encodes them (an ``Encoder``) and writes them to
+of chat ids: ``page_bounds``) are dealt out, page k to worker k mod n, each sent to its worker as soon as
+its bounds are read (the workers start with the first pages); each worker reads its pages on a database
+connection of its own, encodes them (an ``Encoder``) and writes them to
 a pipe; the parent takes the pages from the pipes in order and writes them (JSON lines: moved by the
 kernel from the pipe into the file, ``os.splice``), so the output is the same as one process writing
 page after page (``export_pages`` with one worker does exactly that, in the calling process). A worker
@@ -25,12 +26,12 @@ import sys
 import threading
 import traceback
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from server.export.fastpage import keep_freed_memory
 from server.export.page_rollouts import Chat
-from server.export.pages import Connection, PageQueries, connect, page_bounds, page_chats
+from server.export.pages import Connection, PageQueries, connect, iter_page_bounds, page_chats, read_paths
 from server.export.query import Decoders, ExportFilters, PolicyPaths
 from server.export.writers import PageWriter
 
@@ -57,7 +58,7 @@ class Encoder(Protocol):
 class Job:
     queries: PageQueries
     filters: ExportFilters
-    paths: PolicyPaths
+    paths: PolicyPaths | None  # None: read at the export's start, on its connection (``read_paths``)
     encoder: Callable[[], Encoder]
 
 
@@ -82,15 +83,40 @@ LAST = Stats()
 
 async def export_pages(job: Job, writer: PageWriter, workers: int) -> AsyncIterator[Page]:
     """Encodes the export's pages and writes them, in order; on ``workers`` processes (at most one per
-    page; one: in this process). Yields each page once written (its payload then empty)."""
+    page; one: in this process). Yields each page once written (its payload then empty).
+
+    The workers start as soon as there are pages for two of them: the remaining bounds are read while
+    they connect and encode their first pages, and sent to them as they are read."""
     conn = await connect(job.queries)
+    forked: _Workers | None = None
     try:
-        bounds = await page_bounds(conn, job.queries, CHATS_PER_PAGE)
+        if job.paths is None:
+            job = replace(job, paths=await read_paths(conn, job.queries))
+        upcoming = iter_page_bounds(conn, job.queries, CHATS_PER_PAGE)
+        first: list[tuple[str, str]] = []
+        async for bounds in upcoming:
+            first.append(bounds)
+            if len(first) == workers:
+                break
+        if workers > 1 and len(first) > 1:
+            forked = _Workers(job, len(first))
+            for seq, bounds in enumerate(first):
+                forked.send(seq, bounds)
+            total = len(first)
+            async for bounds in upcoming:
+                forked.send(total, bounds)
+                total += 1
+            forked.sent()
+        else:
+            first += [bounds async for bounds in upcoming]
+    except BaseException:
+        if forked is not None:
+            forked.stop()
+        raise
     finally:
         await conn.close()
-    workers = max(1, min(workers, len(bounds)))
-    LAST.workers, LAST.peak_growth_mb = (workers if workers > 1 else 0), []
-    pages = _inline(job, bounds, writer) if workers == 1 else _forked(job, bounds, workers, writer)
+    LAST.workers, LAST.peak_growth_mb = (len(forked.procs) if forked else 0), []
+    pages = _inline(job, first, writer) if forked is None else _forked(forked, total, writer)
     async for page in pages:
         yield page
 
@@ -117,6 +143,7 @@ async def _inline(job: Job, bounds: list[tuple[str, str]], writer: PageWriter) -
 async def _encode_page(job: Job, conn: Connection, after: str, last: str) -> Page:
     encoder = job.encoder()
     chats = [chat async for chat in page_chats(conn, job.queries, after, last)]
+    assert job.paths is not None, "read by export_pages"
     rollouts, records = encoder.add_chats(chats, job.filters, job.queries.decoders, job.paths)
     return Page(len(chats), rollouts, records, encoder.payload())
 
@@ -126,13 +153,13 @@ _HEADER = struct.Struct("<5q")
 _PAGE, _ERROR, _DONE = range(3)
 
 
-async def _forked(job: Job, bounds: list[tuple[str, str]], n: int, writer: PageWriter) -> AsyncIterator[Page]:
-    workers = _Workers(job, bounds, n)
+async def _forked(workers: _Workers, total: int, writer: PageWriter) -> AsyncIterator[Page]:
+    n = len(workers.procs)
     target = writer.splice_target() if hasattr(os, "splice") else None
     try:
         if target is None:
             workers.read_ahead()  # pages are read as they come: a worker never waits for this process's writing
-        for seq in range(len(bounds)):
+        for seq in range(total):
             if target is not None:
                 page = await asyncio.to_thread(workers.splice_page, seq % n, target)
             else:
@@ -146,26 +173,41 @@ async def _forked(job: Job, bounds: list[tuple[str, str]], n: int, writer: PageW
 
 
 class _Workers:
-    """The forked worker processes, each with the pipe it writes its frames to."""
+    """The forked worker processes, each with the pipe it reads its pages' bounds from (``send``) and
+    the pipe it writes its frames to."""
 
-    def __init__(self, job: Job, bounds: list[tuple[str, str]], n: int) -> None:
+    def __init__(self, job: Job, n: int) -> None:
         import fcntl
 
         ctx = multiprocessing.get_context("fork")
         pipes = [os.pipe() for _ in range(n)]
+        inputs = [os.pipe() for _ in range(n)]
         self.procs: list[Any] = []
-        for k, (_, w) in enumerate(pipes):
+        for (_, w), (r, _) in zip(pipes, inputs, strict=True):
             with contextlib.suppress(AttributeError, OSError):  # a larger pipe: fewer hand-offs (Linux)
                 fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 1 << 20)
-            others = [fd for pipe in pipes for fd in pipe if fd != w]
-            self.procs.append(ctx.Process(target=_worker, args=(job, bounds[k::n], w, others), daemon=True))
+            others = [fd for pipe in (*pipes, *inputs) for fd in pipe if fd not in (w, r)]
+            self.procs.append(ctx.Process(target=_worker, args=(job, r, w, others), daemon=True))
             self.procs[-1].start()
         self.readers = [os.fdopen(r, "rb", buffering=0) for r, _ in pipes]
-        for _, w in pipes:
+        for (_, w), (r, _) in zip(pipes, inputs, strict=True):
             os.close(w)
+            os.close(r)
+        self.inputs: list[int] = [w for _, w in inputs]
         self.queues: list[queue.Queue[tuple[int, Page] | BaseException]] = []
         self.slots: list[threading.Semaphore] = []
         self.threads: list[threading.Thread] = []
+
+    def send(self, seq: int, bounds: tuple[str, str]) -> None:
+        """Page ``seq`` goes to worker ``seq mod n`` (a worker reads its bounds as they come: never blocks)."""
+        after, last = (b.encode() for b in bounds)
+        _write_all(self.inputs[seq % len(self.procs)], _BOUNDS.pack(len(after), len(last)) + after + last)
+
+    def sent(self) -> None:
+        """No more pages: each worker ends after its last one."""
+        for fd in self.inputs:
+            os.close(fd)
+        self.inputs = []
 
     def read_ahead(self) -> None:
         """Reads each worker's frames on a thread of its own, at most one frame ahead of the writing."""
@@ -249,6 +291,7 @@ class _Workers:
         raise RuntimeError(f"export worker {proc.pid} ended early (exit code {proc.exitcode})")
 
     def stop(self) -> None:
+        self.sent()
         for proc in self.procs:
             if proc.is_alive():
                 proc.kill()
@@ -261,8 +304,9 @@ class _Workers:
             reader.close()
 
 
-def _worker(job: Job, bounds: list[tuple[str, str]], out: int, inherited: list[int]) -> None:
-    """A worker process: encodes its pages, writes them to ``out``, then a last frame with its peak memory."""
+def _worker(job: Job, bounds: int, out: int, inherited: list[int]) -> None:
+    """A worker process: encodes the pages whose bounds it reads from ``bounds``, writes them to ``out``,
+    then a last frame with its peak memory."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the export (and its workers)
     for fd in inherited:
         os.close(fd)
@@ -274,7 +318,7 @@ def _worker(job: Job, bounds: list[tuple[str, str]], out: int, inherited: list[i
     keep_freed_memory(WORKER_HEAP)
     base = _reset_peak_rss()
     try:
-        asyncio.run(_work(job, bounds, out))
+        asyncio.run(_work(job, _bounds(bounds), out))
     except BaseException:
         _write_frame(out, _ERROR, Page(0, 0, 0, [traceback.format_exc().encode()]))
         return
@@ -283,13 +327,38 @@ def _worker(job: Job, bounds: list[tuple[str, str]], out: int, inherited: list[i
     _write_frame(out, _DONE, Page(0, 0, 0, [growth]))
 
 
-async def _work(job: Job, bounds: list[tuple[str, str]], out: int) -> None:
+def _bounds(fd: int) -> queue.Queue[tuple[str, str] | None]:
+    """The bounds the parent sends (``_Workers.send``), read on a thread as they come (the parent never
+    waits for a pipe to drain); None after the last."""
+    received: queue.Queue[tuple[str, str] | None] = queue.Queue()
+
+    def read() -> None:
+        with os.fdopen(fd, "rb") as fh:
+            while len(head := fh.read(_BOUNDS.size)) == _BOUNDS.size:
+                a, b = _BOUNDS.unpack(head)
+                received.put((fh.read(a).decode(), fh.read(b).decode()))
+        received.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    return received
+
+
+async def _work(job: Job, bounds: queue.Queue[tuple[str, str] | None], out: int) -> None:
     conn = await connect(job.queries)
     try:
-        for after, last in bounds:
-            _write_frame(out, _PAGE, await _encode_page(job, conn, after, last))
+        while (page := bounds.get()) is not None:
+            _write_frame(out, _PAGE, await _encode_page(job, conn, *page))
     finally:
         await conn.close()
+
+
+_BOUNDS = struct.Struct("<II")  # a page's bounds on a worker's input pipe: their lengths, then their UTF-8
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _write_frame(out: int, kind: int, page: Page) -> None:

@@ -176,7 +176,8 @@ def page_statements(filters: ExportFilters, postgres: bool) -> dict[str, Select[
     chats left), and ``last``, the last id after :after (a page's bounds); ``chats``, the filters' chats
     with ids in (:after, :last] (id, user id, by id); ``messages``, the messages of the chats :ids
     (``MSG_COLUMNS``, by chat then id), which all have ids in (:after, :last]; ``tokens``, the token
-    records (``TOKEN_COLUMNS``) of the messages :ids.
+    records (``TOKEN_COLUMNS``) of the messages :ids; ``policy``, the registry of weights versions
+    (``read_policy_paths``).
 
     An id list is one parameter: an array on PostgreSQL, JSON text read by ``json_each`` on SQLite (no
     limit on its length). The range makes PostgreSQL walk the (chat_id, id) index: for a list alone it
@@ -199,4 +200,5 @@ def page_statements(filters: ExportFilters, postgres: bool) -> dict[str, Select[
         .where(Message.chat_id > after, Message.chat_id <= last, member(Message.chat_id))
         .order_by(Message.chat_id, Message.id),
         "tokens": select(*TOKEN_COLUMNS).where(member(MessageTokens.message_id)),
+        "policy": select(PolicyVersion.model_name, PolicyVersion.version, PolicyVersion.path),
     }

@@ -373,6 +373,7 @@ class RolloutParquetWriter:
         from server.export.columnar import ROLLOUT_SCHEMA
 
         self._writer = StitchedParquetWriter(path, ROLLOUT_SCHEMA, **rollout_parquet_options())
+        native_parquet_fields()  # (pyarrow's first file costs ~10 ms: once here, not in each forked worker)
 
     def write_page(self, payload: list[Any]) -> None:
         data = payload[0] if len(payload) == 1 else b"".join(payload)

@@ -318,13 +318,24 @@ def _worker(job: Job, bounds: int, out: int, inherited: list[int]) -> None:
     keep_freed_memory(WORKER_HEAP)
     base = _reset_peak_rss()
     try:
-        asyncio.run(_work(job, _bounds(bounds), out))
+        _run(_work(job, _bounds(bounds), out))
     except BaseException:
         _write_frame(out, _ERROR, Page(0, 0, 0, [traceback.format_exc().encode()]))
         return
     peak = _status_kb("VmHWM")
     growth = b"" if base is None or peak is None else f"{(peak - base) / 1024:.1f}".encode()
     _write_frame(out, _DONE, Page(0, 0, 0, [growth]))
+
+
+def _run(work: Any) -> None:
+    """``asyncio.run``, on uvloop where it is installed (uvicorn's standard extra): a worker's event loop
+    wakes for every few kilobytes the database sends, and uvloop's wake-ups cost less CPU."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(work)
+        return
+    uvloop.run(work)
 
 
 def _bounds(fd: int) -> queue.Queue[tuple[str, str] | None]:

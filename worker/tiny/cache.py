@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from worker.tiny.build import BUILD_VERSION, build_tiny_model
@@ -56,23 +57,45 @@ def resolve_model(name_or_path: str, *, cache_dir: Path | None = None) -> str:
 
 def build_cached(final: Path, build: Callable[[Path], object]) -> str:
     """Build a model directory once, atomically: ``build(tmp)`` into a temporary sibling, then rename
-    it to ``final``. A reader never sees a partial build; processes racing to build it both end up
-    with the same complete directory (the loser uses the winner's)."""
+    it to ``final``. A reader never sees a partial build. Processes of this machine that want it at the
+    same time take turns on a lock file beside it, so one builds and the others wait for its build (a
+    training run on every one of them at once multiplied the time each took); where the lock is not
+    available (no ``fcntl``), they race and the loser uses the winner's directory."""
     if (final / "tokentrail.json").is_file():
         return str(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
-    try:
-        build(tmp)
-        # mkdtemp made it 0700; give it the mode of the models directory it lands in.
-        tmp.chmod(stat.S_IMODE(final.parent.stat().st_mode))
+    with _build_lock(final.parent / f".{final.name}.lock"):
+        if (final / "tokentrail.json").is_file():  # built while this process waited
+            return str(final)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
         try:
-            os.rename(tmp, final)
-        except OSError:
-            # Another process finished first (the target exists and is not empty): use its build.
-            if not (final / "tokentrail.json").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+            build(tmp)
+            # mkdtemp made it 0700; give it the mode of the models directory it lands in.
+            tmp.chmod(stat.S_IMODE(final.parent.stat().st_mode))
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                # Another process finished first (the target exists and is not empty): use its build.
+                if not (final / "tokentrail.json").is_file():
+                    raise
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     return str(final)
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` (created if missing), held until the block ends: ``flock``, which
+    the kernel releases if the holder dies."""
+    try:
+        import fcntl
+    except ImportError:  # (not POSIX)
+        yield
+        return
+    with open(path, "a") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)

@@ -308,8 +308,12 @@ def test_resolve_model_builds_once(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert Path(llama3) == (tmp_path / "models" / f"tiny-llama3-s0-v{BUILD_VERSION}").absolute()
     assert AutoTokenizer.from_pretrained(llama3).eos_token == "<|end_of_text|>"
     assert [kwargs for _, kwargs in builds] == [{"template": "chatml", "seed": 0}, {"template": "llama3", "seed": 0}]
-    # No temporary build directories are left behind.
-    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [expected.name, Path(llama3).name]
+    # No temporary build directories are left behind; the builds' lock files stay (empty).
+    left = sorted((tmp_path / "models").iterdir())
+    locks = [p for p in left if p.name.endswith(".lock")]
+    assert [p.name for p in locks] == [f".{expected.name}.lock", f".{Path(llama3).name}.lock"]
+    assert all(p.is_file() and p.stat().st_size == 0 for p in locks)
+    assert [p.name for p in left if p not in locks] == [expected.name, Path(llama3).name]
 
 
 def test_resolve_model_passes_other_names_through(tmp_path: Path) -> None:

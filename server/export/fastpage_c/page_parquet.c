@@ -282,7 +282,6 @@ typedef struct {
     Buf values;
     uint64_t bits;       /* booleans not yet written (bit-packed) */
     int n_bits;
-    Py_ssize_t page_values;
     /* the chunk's */
     Py_ssize_t nulls, total_levels, pages;
     int stats;           /* a top-level column: min and max kept */
@@ -511,7 +510,7 @@ static int put_stat_value(Tc *t, int id, Chunk *k, int max) {
 }
 
 /* the ColumnChunk of a chunk written from ``start`` */
-static int chunk_meta(Out *o, Tc *t, Chunk *k, Py_ssize_t start, long long uncompressed, long long compressed) {
+static int chunk_meta(Tc *t, Chunk *k, Py_ssize_t start, long long uncompressed, long long compressed) {
     const Leaf *l = k->leaf;
     if (tc_begin(t, 0) < 0 || tc_i64(t, 2, 0) < 0 || tc_begin(t, 3) < 0 || tc_i32(t, 1, l->type) < 0 ||
         tc_list(t, 2, 2, C_I32) < 0 || tc_zigzag(t, 0) < 0 || tc_zigzag(t, 3) < 0)
@@ -567,7 +566,7 @@ static int write_chunk(Out *o, Tc *t, Col *cols, const Leaf *l, const Consts *v)
         if (rc == 0 && k.values.len >= o->page_bytes) rc = flush_page(o, &k, &uncompressed, &compressed);
     }
     if (rc == 0) rc = flush_page(o, &k, &uncompressed, &compressed);
-    if (rc == 0) rc = chunk_meta(o, t, &k, start, uncompressed, compressed);
+    if (rc == 0) rc = chunk_meta(t, &k, start, uncompressed, compressed);
     o->uncompressed += uncompressed;
     o->compressed += compressed;
     chunk_free(&k);

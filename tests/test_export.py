@@ -249,3 +249,48 @@ def test_worker_processes_write_what_one_process_writes(
         else:
             assert pq.read_table(one).equals(pq.read_table(two)) and pq.read_table(one).num_rows >= 3
     assert run("-", "jsonl", "tokentrail", 2) == (tmp_path / "one.tokentrail.jsonl").read_bytes()
+
+
+_EXPORT_WITH_FAILING_WORKERS = """
+import asyncio, os, sys
+from pathlib import Path
+from server.export import parallel
+from server.export.run import run_export
+from server.settings import ServerSettings
+
+parallel.CHATS_PER_PAGE = 1
+how = sys.argv[3]
+encode = parallel._encode_page
+
+async def failing(job, conn, after, last):  # in every worker, at its first page
+    if how == "raise":
+        raise ValueError("injected failure")
+    os._exit(3)
+
+parallel._encode_page = failing
+settings = ServerSettings(data_dir=Path(sys.argv[1]), migrate_on_start=False)
+try:
+    asyncio.run(run_export(settings, Path(sys.argv[2]), fmt="jsonl", schema="tokentrail", progress=False, workers=2))
+except RuntimeError as exc:
+    print(exc)
+    print("children left:", len(parallel.multiprocessing.active_children()))
+    sys.exit(7)
+"""
+
+
+@pytest.mark.parametrize("how", ["raise", "exit"])
+def test_a_failing_worker_fails_the_export_with_what_happened(
+    embedded_settings: ServerSettings, stored: dict[str, Any], tmp_path: Path, how: str
+) -> None:
+    """A worker that raises hands its traceback over; one that dies is named with its exit code; the
+    export stops either way, its workers with it."""
+    args = [str(embedded_settings.data_dir), str(tmp_path / "out.jsonl"), how]
+    proc = subprocess.run(
+        [sys.executable, "-c", _EXPORT_WITH_FAILING_WORKERS, *args], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 7, proc.stdout + proc.stderr
+    if how == "raise":
+        assert "failed:" in proc.stdout and "ValueError: injected failure" in proc.stdout, proc.stdout
+    else:
+        assert "ended early (exit code 3)" in proc.stdout, proc.stdout
+    assert "children left: 0" in proc.stdout

@@ -201,7 +201,11 @@ class _Workers:
     def send(self, seq: int, bounds: tuple[str, str]) -> None:
         """Page ``seq`` goes to worker ``seq mod n`` (a worker reads its bounds as they come: never blocks)."""
         after, last = (b.encode() for b in bounds)
-        _write_all(self.inputs[seq % len(self.procs)], _BOUNDS.pack(len(after), len(last)) + after + last)
+        k = seq % len(self.procs)
+        try:
+            _write_all(self.inputs[k], _BOUNDS.pack(len(after), len(last)) + after + last)
+        except BrokenPipeError:  # the worker is gone: say which, and how it ended
+            self._ended(k)
 
     def sent(self) -> None:
         """No more pages: each worker ends after its last one."""

@@ -151,10 +151,7 @@ async def iter_page_bounds(conn: Connection, queries: PageQueries, size: int) ->
 
 async def read_paths(conn: Connection, queries: PageQueries) -> PolicyPaths:
     """The registry of weights versions (``query.read_policy_paths``) on a page connection."""
-    paths: dict[str, dict[int, str]] = {}
-    for model, version, path in await conn.rows(queries.statements["policy"]):
-        paths.setdefault(str(model), {})[int(version)] = str(path)
-    return PolicyPaths(paths)
+    return PolicyPaths.from_rows(await conn.rows(queries.statements["policy"]))
 
 
 # Chats per read. Few on SQLite: their rows become rollouts while still in the CPU's caches; more on

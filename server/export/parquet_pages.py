@@ -340,10 +340,9 @@ class StitchedParquetWriter:
         if self._fh.closed:
             return
         if self._file_fields is None:  # no rows: pyarrow's own empty file, with the schema
+            self._fh.seek(0)
+            self._fh.write(empty_file(self._schema, **self._options))
             self._fh.close()
-            import pyarrow.parquet as pq
-
-            pq.ParquetWriter(self._path, self._schema, **self._options).close()
             return
         fields = [(fid, kind, value) for fid, kind, value in self._file_fields]
         fields.append((_FILE_NUM_ROWS, _I64, _put_varint(_zigzag(self._rows))))

@@ -63,6 +63,14 @@ class PolicyPaths:
     def path(self, model: str, version: int) -> str | None:
         return self.paths.get(model, {}).get(version)
 
+    @staticmethod
+    def from_rows(rows: Any) -> PolicyPaths:
+        """From ``policy_versions`` rows of (model, version, path)."""
+        paths: dict[str, dict[int, str]] = {}
+        for model, version, path in rows:
+            paths.setdefault(str(model), {})[int(version)] = str(path)
+        return PolicyPaths(paths)
+
     def newest(self, model: str) -> int:
         """The model's newest registered version (0: never pushed)."""
         versions = self.paths.get(model)
@@ -70,15 +78,12 @@ class PolicyPaths:
 
 
 NO_PATHS = PolicyPaths({})
+POLICY_QUERY = select(PolicyVersion.model_name, PolicyVersion.version, PolicyVersion.path)
 
 
 async def read_policy_paths(sessions: SessionFactory) -> PolicyPaths:
-    paths: dict[str, dict[int, str]] = {}
     async with sessions() as s:
-        rows = await s.execute(select(PolicyVersion.model_name, PolicyVersion.version, PolicyVersion.path))
-        for model, version, path in rows:
-            paths.setdefault(str(model), {})[int(version)] = str(path)
-    return PolicyPaths(paths)
+        return PolicyPaths.from_rows(await s.execute(POLICY_QUERY))
 
 
 async def count_chats(sessions: SessionFactory, filters: ExportFilters) -> int:
@@ -200,5 +205,5 @@ def page_statements(filters: ExportFilters, postgres: bool) -> dict[str, Select[
         .where(Message.chat_id > after, Message.chat_id <= last, member(Message.chat_id))
         .order_by(Message.chat_id, Message.id),
         "tokens": select(*TOKEN_COLUMNS).where(member(MessageTokens.message_id)),
-        "policy": select(PolicyVersion.model_name, PolicyVersion.version, PolicyVersion.path),
+        "policy": POLICY_QUERY,
     }

@@ -177,10 +177,12 @@ async def _compare(url: str, filters: ExportFilters, odd: set[str]) -> tuple[int
     await engine.dispose()
     dec = queries.decoders
     conn = await connect(queries)
+    wire = await connect(queries, blocking=True)  # PostgreSQL: the compiled reader (pg_wire)
     at_once = compared = left = 0
     try:
         for after, last in await page_bounds(conn, queries, 40):
-            chats = [chat async for chat in page_chats(conn, queries, after, last)]
+            chats = [chat async for chat in page_chats(wire, queries, after, last)]
+            _same_rows(chats, [chat async for chat in page_chats(conn, queries, after, last)])
             one_by_one = [r for chat in chats for r in rows_rollout_parts(*chat, filters, dec, PATHS)]
             lines = [rollout_line(r) for r in one_by_one]
             columns = RolloutColumns()
@@ -213,6 +215,7 @@ async def _compare(url: str, filters: ExportFilters, odd: set[str]) -> tuple[int
                 _same_parquet(chats, filters, dec, expected)
     finally:
         await conn.close()
+        await wire.close()
     return at_once, compared, left
 
 
@@ -339,6 +342,17 @@ def _same_rows_as_sqlite3(path: Path, url: str) -> None:
     finally:
         reader.close()
         conn.close()
+
+
+def _same_rows(got: list[Any], expected: list[Any]) -> None:
+    """The chats of a page as two connections read them: the same rows, values of the same types."""
+    assert [c[:2] for c in got] == [c[:2] for c in expected]
+    for (_, _, msgs, tokens), (_, _, want_msgs, want_tokens) in zip(got, expected, strict=True):
+        assert [tuple(m) for m in msgs] == [tuple(m) for m in want_msgs]
+        assert {k: tuple(v) for k, v in tokens.items()} == {k: tuple(v) for k, v in want_tokens.items()}
+        rows = [*msgs, *tokens.values()]
+        want = [*want_msgs, *want_tokens.values()]
+        assert [[type(v) for v in r] for r in rows] == [[type(v) for v in r] for r in want]
 
 
 async def _no_cycles(url: str) -> None:

@@ -123,13 +123,42 @@ class _Postgres:
         await self._conn.close()
 
 
-async def connect(queries: PageQueries) -> Connection:
+class _PostgresWire:
+    """Reads through the compiled reader on the connection's socket (``pg_wire``): each statement to
+    its end in the calling thread."""
+
+    def __init__(self, wire: Any) -> None:
+        self._wire = wire
+
+    async def rows(self, stmt: _Statement, **params: Any) -> list[Any]:
+        return self._wire.rows(stmt.sql, stmt.args(**params))  # type: ignore[no-any-return]
+
+    async def close(self) -> None:
+        await self._wire.close()
+
+
+async def connect(queries: PageQueries, *, blocking: bool = False) -> Connection:
+    """A connection for the page statements. ``blocking``: the caller's thread may wait on each read
+    (an export's own process, not a server's event loop): PostgreSQL's rows are then read by the
+    compiled reader where it takes the connection and every statement (``pg_wire``), else by asyncpg."""
     if not queries.postgres:
         return _Sqlite(queries)
     import asyncpg  # type: ignore[import-untyped]
 
+    from server.export.pg_wire import PgWire
+
     args, kwargs = queries.connect_args
-    return _Postgres(await asyncpg.connect(*args, **kwargs))
+    conn = await asyncpg.connect(*args, **kwargs)
+    wire = PgWire.take(conn) if blocking else None
+    if wire is None:
+        return _Postgres(conn)
+    try:
+        if wire.prepare([stmt.sql for stmt in queries.statements.values()]):
+            return _PostgresWire(wire)
+    except BaseException:
+        await wire.close()
+        raise
+    return _Postgres(wire.release())
 
 
 async def page_bounds(conn: Connection, queries: PageQueries, size: int) -> list[tuple[str, str]]:

@@ -19,6 +19,7 @@ import contextlib
 import gc
 import multiprocessing
 import os
+import pickle
 import queue
 import signal
 import struct
@@ -82,41 +83,38 @@ LAST = Stats()
 
 
 async def export_pages(job: Job, writer: PageWriter, workers: int) -> AsyncIterator[Page]:
-    """Encodes the export's pages and writes them, in order; on ``workers`` processes (at most one per
-    page; one: in this process). Yields each page once written (its payload then empty).
+    """Encodes the export's pages and writes them, in order; on ``workers`` processes (one: in this
+    process). Yields each page once written (its payload then empty).
 
-    The workers start as soon as there are pages for two of them: the remaining bounds are read while
-    they connect and encode their first pages, and sent to them as they are read."""
-    conn = await connect(job.queries)
-    forked: _Workers | None = None
+    The workers are forked first, and connect while this process reads the version registry and the
+    pages' bounds on its own connection; it sends them the registry, then each page's bounds as soon as
+    it is read. A worker left without pages (fewer pages than workers) ends without any."""
+    forked = _Workers(job, workers) if workers > 1 else None
+    bounds: list[tuple[str, str]] = []
+    total = 0
     try:
-        if job.paths is None:
-            job = replace(job, paths=await read_paths(conn, job.queries))
-        upcoming = iter_page_bounds(conn, job.queries, CHATS_PER_PAGE)
-        first: list[tuple[str, str]] = []
-        async for bounds in upcoming:
-            first.append(bounds)
-            if len(first) == workers:
-                break
-        if workers > 1 and len(first) > 1:
-            forked = _Workers(job, len(first))
-            for seq, bounds in enumerate(first):
-                forked.send(seq, bounds)
-            total = len(first)
-            async for bounds in upcoming:
-                forked.send(total, bounds)
+        conn = await connect(job.queries, blocking=True)
+        try:
+            if job.paths is None:
+                job = replace(job, paths=await read_paths(conn, job.queries))
+            if forked is not None:
+                forked.begin(job.paths)
+            async for page_bounds in iter_page_bounds(conn, job.queries, CHATS_PER_PAGE):
+                if forked is not None:
+                    forked.send(total, page_bounds)
+                else:
+                    bounds.append(page_bounds)
                 total += 1
-            forked.sent()
-        else:
-            first += [bounds async for bounds in upcoming]
+            if forked is not None:
+                forked.sent()
+        finally:
+            await conn.close()
     except BaseException:
         if forked is not None:
             forked.stop()
         raise
-    finally:
-        await conn.close()
     LAST.workers, LAST.peak_growth_mb = (len(forked.procs) if forked else 0), []
-    pages = _inline(job, first, writer) if forked is None else _forked(forked, total, writer)
+    pages = _inline(job, bounds, writer) if forked is None else _forked(forked, total, writer)
     async for page in pages:
         yield page
 
@@ -130,7 +128,7 @@ def default_workers() -> int:
 
 
 async def _inline(job: Job, bounds: list[tuple[str, str]], writer: PageWriter) -> AsyncIterator[Page]:
-    conn = await connect(job.queries)
+    conn = await connect(job.queries, blocking=True)
     try:
         for after, last in bounds:
             page = await _encode_page(job, conn, after, last)
@@ -197,6 +195,15 @@ class _Workers:
         self.queues: list[queue.Queue[tuple[int, Page] | BaseException]] = []
         self.slots: list[threading.Semaphore] = []
         self.threads: list[threading.Thread] = []
+
+    def begin(self, paths: PolicyPaths | None) -> None:
+        """The export's version registry, to every worker (read before any page)."""
+        blob = pickle.dumps(paths)
+        for k in range(len(self.procs)):
+            try:
+                _write_all(self.inputs[k], _PATHS.pack(len(blob)) + blob)
+            except BrokenPipeError:
+                self._ended(k)
 
     def send(self, seq: int, bounds: tuple[str, str]) -> None:
         """Page ``seq`` goes to worker ``seq mod n`` (a worker reads its bounds as they come: never blocks)."""
@@ -322,7 +329,7 @@ def _worker(job: Job, bounds: int, out: int, inherited: list[int]) -> None:
     keep_freed_memory(WORKER_HEAP)
     base = _reset_peak_rss()
     try:
-        _run(_work(job, _bounds(bounds), out))
+        asyncio.run(_work(job, _bounds(bounds), out))
     except BaseException:
         _write_frame(out, _ERROR, Page(0, 0, 0, [traceback.format_exc().encode()]))
         return
@@ -331,43 +338,45 @@ def _worker(job: Job, bounds: int, out: int, inherited: list[int]) -> None:
     _write_frame(out, _DONE, Page(0, 0, 0, [growth]))
 
 
-def _run(work: Any) -> None:
-    """``asyncio.run``, on uvloop where it is installed (uvicorn's standard extra): a worker's event loop
-    wakes for every few kilobytes the database sends, and uvloop's wake-ups cost less CPU."""
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(work)
-        return
-    uvloop.run(work)
-
-
-def _bounds(fd: int) -> queue.Queue[tuple[str, str] | None]:
-    """The bounds the parent sends (``_Workers.send``), read on a thread as they come (the parent never
-    waits for a pipe to drain); None after the last."""
-    received: queue.Queue[tuple[str, str] | None] = queue.Queue()
+def _bounds(fd: int) -> queue.Queue[Any]:
+    """What the parent sends (``_Workers.begin``, ``send``), read on a thread as it comes (the parent
+    never waits for a pipe to drain): the version registry, then each page's bounds; None after the
+    last (the parent's end of the pipe closed)."""
+    received: queue.Queue[Any] = queue.Queue()
 
     def read() -> None:
         with os.fdopen(fd, "rb") as fh:
-            while len(head := fh.read(_BOUNDS.size)) == _BOUNDS.size:
-                a, b = _BOUNDS.unpack(head)
-                received.put((fh.read(a).decode(), fh.read(b).decode()))
+            if len(head := fh.read(_PATHS.size)) == _PATHS.size:
+                received.put(pickle.loads(fh.read(_PATHS.unpack(head)[0])))
+                while len(head := fh.read(_BOUNDS.size)) == _BOUNDS.size:
+                    a, b = _BOUNDS.unpack(head)
+                    received.put((fh.read(a).decode(), fh.read(b).decode()))
         received.put(None)
 
     threading.Thread(target=read, daemon=True).start()
     return received
 
 
-async def _work(job: Job, bounds: queue.Queue[tuple[str, str] | None], out: int) -> None:
-    conn = await connect(job.queries)
+async def _work(job: Job, received: queue.Queue[Any], out: int) -> None:
+    """A worker's pages: its connection opened at once (while the parent reads the bounds), then the
+    version registry and each page's bounds as they come. Reads block: nothing else runs on this loop."""
+    conn = await connect(job.queries, blocking=True)
     try:
-        while (page := bounds.get()) is not None:
+        warm_up = getattr(job.encoder(), "warm_up", None)
+        if warm_up is not None:
+            warm_up()
+        paths = received.get()
+        if paths is None:  # no page for this worker (the parent's pipe closed)
+            return
+        job = replace(job, paths=paths)
+        while (page := received.get()) is not None:
             _write_frame(out, _PAGE, await _encode_page(job, conn, *page))
     finally:
         await conn.close()
 
 
-_BOUNDS = struct.Struct("<II")  # a page's bounds on a worker's input pipe: their lengths, then their UTF-8
+_PATHS = struct.Struct("<I")  # first on a worker's input pipe: the length of the pickled registry, then it
+_BOUNDS = struct.Struct("<II")  # then each page's bounds: their lengths, then their UTF-8
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -283,6 +283,12 @@ class ArrowEncoder(_PerRollout):
         self.page: Any = None  # a page built at once (``page_batch``)
         self.file: PageFile | None = None  # a page written at once (``parquet_page``)
 
+    @staticmethod
+    def warm_up() -> None:
+        """What the first page would do once per process (pyarrow's first file: ~10 ms), done while a
+        worker waits for its first page's bounds."""
+        native_parquet_fields()
+
     def add_chats(
         self, chats: Sequence[Chat], filters: ExportFilters, dec: Decoders, paths: PolicyPaths
     ) -> tuple[int, int]:
@@ -373,7 +379,6 @@ class RolloutParquetWriter:
         from server.export.columnar import ROLLOUT_SCHEMA
 
         self._writer = StitchedParquetWriter(path, ROLLOUT_SCHEMA, **rollout_parquet_options())
-        native_parquet_fields()  # (pyarrow's first file costs ~10 ms: once here, not in each forked worker)
 
     def write_page(self, payload: list[Any]) -> None:
         data = payload[0] if len(payload) == 1 else b"".join(payload)

@@ -122,6 +122,9 @@ static PyMethodDef methods[] = {
      "sqlite_open(sqlite3 extension's path, filename, uri, pragmas) -> reader | None (the library not found)"},
     {"sqlite_rows", sqlite_rows, METH_VARARGS, "sqlite_rows(reader, sql, params) -> [tuple, ...]"},
     {"sqlite_close", sqlite_close, METH_O, "sqlite_close(reader)"},
+    {"pg_open", pg_open, METH_O, "pg_open(socket fd) -> reader"},
+    {"pg_rows", pg_rows, METH_VARARGS,
+     "pg_rows(reader, payload, codes) -> (rows, [(message type, body)], error fields | None)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -135,7 +138,8 @@ PyMODINIT_FUNC PyInit__fastpage(void) {
     K_TOOLS = PyUnicode_InternFromString("tools");
     PyObject *builtins = PyEval_GetBuiltins();  /* borrowed */
     SUM = builtins ? PyDict_GetItemString(builtins, "sum") : NULL;
-    if (!K_SAMPLING || !K_SEED || !K_TEMPERATURE || !K_SYSTEM_PROMPT || !K_TOOLS || !SUM || created_init() < 0)
+    if (!K_SAMPLING || !K_SEED || !K_TEMPERATURE || !K_SYSTEM_PROMPT || !K_TOOLS || !SUM || created_init() < 0 ||
+        pg_init() < 0)
         return NULL;
     Py_INCREF(SUM);
     PyObject *m = PyModule_Create(&module);

@@ -105,6 +105,11 @@ PyObject *sqlite_open(PyObject *self, PyObject *args);
 PyObject *sqlite_rows(PyObject *self, PyObject *args);
 PyObject *sqlite_close(PyObject *self, PyObject *capsule);
 
+/* pg_rows.c */
+PyObject *pg_open(PyObject *self, PyObject *arg);
+PyObject *pg_rows(PyObject *self, PyObject *args);
+int pg_init(void);
+
 /* page_jsonl.c */
 int buf_value(Buf *b, Opts *o, PyObject *v);
 int buf_stop(Buf *b, Opts *o, PyObject *raw);

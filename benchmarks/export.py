@@ -6,7 +6,9 @@
 
 Per backend it creates a fresh database (a SQLite file in a temp dir; a new PostgreSQL database
 ``tt_bench_<random>`` on ``--postgres``, dropped at the end), migrates it with ``server.migrate.upgrade``
-and bulk-inserts conversations with SQLAlchemy Core executemany (not the HTTP API). Each chat has a
+and bulk-inserts conversations with SQLAlchemy Core executemany (not the HTTP API), then runs ``ANALYZE`` on
+PostgreSQL (as its manual advises after a bulk load; autovacuum would within minutes): without
+statistics its planner sorts each page's messages instead of walking their index in order. Each chat has a
 user, a system prompt (most chats), ``--turns`` turns of prompter message + complete assistant message
 + a ``message_tokens`` row whose prompt extends the previous turn's prompt + completion exactly
 (first prompt ~60 tokens, completions 20-120, bridges ~10, a synthetic closer after turns cut by length,
@@ -302,8 +304,8 @@ async def insert_chats(
             async with engine.begin() as conn:
                 await insert_rows(conn, rows)
             elapsed += time.perf_counter() - t0
-        if engine.dialect.name == "postgresql":
-            async with engine.connect() as conn:
+        if engine.dialect.name == "postgresql":  # statistics, as after a bulk load (committed: in a
+            async with engine.begin() as conn:  # transaction rolled back, ANALYZE's are lost)
                 await conn.exec_driver_sql("ANALYZE")
     finally:
         await engine.dispose()

@@ -87,6 +87,9 @@ def test_parameters_are_parsed_by_postgres_from_their_text(postgres_url: str) ->
         ["it's", 2**62, True, 0.1, odd, None],
         ["", -1, False, -2.5e-300, [], "two"],
         ["é", 0, True, float("inf"), ["one"], None],
+        ["ids", 1, False, 0.0, ["01a1f956-b3fd-7b37", "nullish", "x.y_z"], None],  # written unquoted
+        ["ids", 1, False, 0.0, ["a", "null"], None],
+        ["ids", 1, False, 0.0, ["a", "b,c"], None],
     ]
 
     async def body(reference: Any, wire: PgWire) -> None:

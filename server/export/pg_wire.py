@@ -11,17 +11,17 @@ the reader does not decode, stays with asyncpg (``take`` gives None, ``prepare``
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Sequence
 from datetime import date, datetime
 from typing import Any
 
-_native: Any = None
-try:
-    from server.export import _fastpage as _native  # type: ignore[attr-defined, no-redef]
-except ImportError:
-    _native = None
-if _native is not None and not hasattr(_native, "pg_rows"):  # (an older build)
+from server.export import fastpage
+
+# the compiled module as ``fastpage`` loads it (None: not built, or TOKENTRAIL_EXPORT_PURE_PYTHON=1)
+_native: Any = getattr(fastpage, "_native", None)
+if not hasattr(_native, "pg_rows"):  # (an older build)
     _native = None
 
 # result type oid -> the reader's decoder (pg_rows.c): the values asyncpg gives for these types
@@ -66,12 +66,19 @@ class _Prepared:
 
 
 def _array_text(values: Sequence[Any]) -> str:
-    items = []
-    for v in values:
-        if not isinstance(v, str):
-            raise Unsupported(f"an array parameter holding {type(v).__name__}")
-        items.append('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"')
-    return "{" + ",".join(items) + "}"
+    """A text[] literal of ``values`` (str): each element as it is where that reads back the same (ids:
+    no quote, backslash, brace, comma or space, not empty, not NULL), else each one quoted."""
+    if not all(isinstance(v, str) for v in values):
+        bad = next(v for v in values if not isinstance(v, str))
+        raise Unsupported(f"an array parameter holding {type(bad).__name__}")
+    plain = ",".join(values)
+    if plain.count(",") == len(values) - 1 and not _ARRAY_SPECIAL.search(plain):
+        return "{" + plain + "}"
+    return "{" + ",".join('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values) + "}"
+
+
+# what an unquoted array element may not hold or be: PostgreSQL's array_in would read it otherwise
+_ARRAY_SPECIAL = re.compile(r'["\\{}\s]|(?:^|,)(?:null)?(?:,|$)', re.IGNORECASE)
 
 
 def _param_text(oid: int, value: Any) -> bytes | None:

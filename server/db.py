@@ -11,10 +11,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 SessionFactory = async_sessionmaker[AsyncSession]
 
-# Every SQLite connection's settings: WAL lets SSE readers run while a worker's record is written;
-# NORMAL syncs at checkpoints, not at every commit; FKs are off by default; a locked database is waited
-# for (30 s) rather than failing at once.
-SQLITE_PRAGMAS = ("journal_mode=WAL", "synchronous=NORMAL", "foreign_keys=ON", "busy_timeout=30000")
+# Every SQLite connection's settings: a locked database is waited for (30 s) rather than failing at once,
+# first, so that it covers the others (connections opened at the same moment, as an export's workers are,
+# find the database locked while one of them opens its write-ahead log); WAL lets SSE readers run while
+# a worker's record is written; NORMAL syncs at checkpoints, not at every commit; FKs are off by default.
+SQLITE_PRAGMAS = ("busy_timeout=30000", "journal_mode=WAL", "synchronous=NORMAL", "foreign_keys=ON")
 
 
 def ensure_sqlite_dir(url: str) -> None:

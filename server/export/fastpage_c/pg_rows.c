@@ -74,17 +74,21 @@ static int wait_fd(int fd, short events) {
     return 0;
 }
 
+/* after a send or recv that failed with errno: 0 to try again (interrupted, or the socket ready for
+ * ``events`` now), -1 with an exception set */
+static int again(Reader *r, short events) {
+    if (errno == EINTR) return 0;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return wait_fd(r->fd, events);
+    PyErr_SetFromErrno(PyExc_ConnectionError);
+    return -1;
+}
+
 static int send_all(Reader *r, const char *data, Py_ssize_t n) {
     while (n > 0) {
         ssize_t k = send(r->fd, data, (size_t)n, MSG_NOSIGNAL);
         if (k < 0) {
-            if (errno == EINTR) continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK) {
-                if (wait_fd(r->fd, POLLOUT) < 0) return -1;
-                continue;
-            }
-            PyErr_SetFromErrno(PyExc_ConnectionError);
-            return -1;
+            if (again(r, POLLOUT) < 0) return -1;
+            continue;
         }
         data += k;
         n -= k;
@@ -121,13 +125,7 @@ static int fill(Reader *r, Py_ssize_t need) {
             PyErr_SetString(PyExc_ConnectionResetError, "PostgreSQL closed the connection");
             return -1;
         }
-        if (errno == EINTR) continue;
-        if (errno == EAGAIN || errno == EWOULDBLOCK) {
-            if (wait_fd(r->fd, POLLIN) < 0) return -1;
-            continue;
-        }
-        PyErr_SetFromErrno(PyExc_ConnectionError);
-        return -1;
+        if (again(r, POLLIN) < 0) return -1;
     }
     return 0;
 }
@@ -137,6 +135,20 @@ static inline uint32_t be32(const unsigned char *p) {
 }
 
 static inline uint64_t be64(const unsigned char *p) { return (uint64_t)be32(p) << 32 | be32(p + 4); }
+
+static inline double be_f32(const unsigned char *p) {
+    uint32_t u = be32(p);
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+static inline double be_f64(const unsigned char *p) {
+    uint64_t u = be64(p);
+    double x;
+    memcpy(&x, &u, 8);
+    return x;
+}
 
 /* --- values ---------------------------------------------------------------------------------------- */
 
@@ -220,20 +232,12 @@ static PyObject *value(char code, const unsigned char *p, uint32_t n, PyObject *
         case C_INT8:
             if (n != 8) return bad_length(code, n);
             return PyLong_FromLongLong((int64_t)be64(p));
-        case C_FLOAT4: {
+        case C_FLOAT4:
             if (n != 4) return bad_length(code, n);
-            uint32_t u = be32(p);
-            float x;
-            memcpy(&x, &u, 4);
-            return PyFloat_FromDouble(x);
-        }
-        case C_FLOAT8: {
+            return PyFloat_FromDouble(be_f32(p));
+        case C_FLOAT8:
             if (n != 8) return bad_length(code, n);
-            uint64_t u = be64(p);
-            double x;
-            memcpy(&x, &u, 8);
-            return PyFloat_FromDouble(x);
-        }
+            return PyFloat_FromDouble(be_f64(p));
         case C_TIMESTAMP:
         case C_TIMESTAMPTZ:
             if (n != 8) return bad_length(code, n);

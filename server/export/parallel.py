@@ -3,13 +3,13 @@
 Turning rows into rollouts and rollouts into JSON or Arrow is Python's work (about a tenth of a
 millisecond per rollout) and holds the GIL, so a second core takes a second process. The pages (ranges
 of chat ids: ``page_bounds``) are dealt out, page k to worker k mod n, each sent to its worker as soon as
-its bounds are read (the workers start with the first pages); each worker reads its pages on a database
-connection of its own, encodes them (an ``Encoder``) and writes them to
-a pipe; the parent takes the pages from the pipes in order and writes them (JSON lines: moved by the
-kernel from the pipe into the file, ``os.splice``), so the output is the same as one process writing
-page after page (``export_pages`` with one worker does exactly that, in the calling process). A worker
-is a fork of the parent (nothing to import or pickle) and holds one page at a time; the parent holds at
-most one page of each worker, so memory stays flat however long the export.
+its bounds are read (the workers are forked first and connect meanwhile); each worker reads its pages on
+a database connection of its own, encodes them (an ``Encoder``) and writes them to a pipe; the parent
+takes the pages from the pipes in order and writes them (JSON lines: moved by the kernel from the pipe
+into the file, ``os.splice``), so the output is the same as one process writing page after page
+(``export_pages`` with one worker does exactly that, in the calling process). A worker is a fork of the
+parent (nothing to import; only the version registry is pickled to it) and holds one page at a time;
+the parent holds at most one page of each worker, so memory stays flat however long the export.
 """
 
 from __future__ import annotations

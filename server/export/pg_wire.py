@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import date, datetime
 from typing import Any
 
@@ -58,11 +59,11 @@ class Unsupported(Exception):
     """A statement whose parameters or result columns this reader does not take."""
 
 
+@dataclass(frozen=True, slots=True)
 class _Prepared:
-    __slots__ = ("codes", "name", "params")
-
-    def __init__(self, name: bytes, params: tuple[int, ...], codes: bytes | None) -> None:
-        self.name, self.params, self.codes = name, params, codes
+    name: bytes  # the statement's name on this connection
+    params: tuple[int, ...]  # its parameters' type oids
+    codes: bytes | None  # the reader's decoder of each result column (None: no result columns)
 
 
 def _array_text(values: Sequence[Any]) -> str:

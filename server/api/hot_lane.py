@@ -33,6 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.api.deps import SESSION_HEADERS, idempotency_of, session_key, token_of, user_for_token
 from server.idempotency import HEADER as IDEMPOTENCY_HEADER
 from server.idempotency import IdempotencyKey
+from server.openai.streaming import SseStream
 from server.state import AppState
 
 Endpoint = Callable[..., Awaitable[Response]]
@@ -175,8 +176,10 @@ async def _play(response: Response, scope: Scope, receive: Receive, send: Send) 
         await response(scope, receive, send)
         return
     await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
-    body = cast(Any, response.body_iterator)
-    pump = asyncio.ensure_future(_pump(body, send))
+    if isinstance(response, SseStream):
+        pump = asyncio.ensure_future(response.pump(send))
+    else:
+        pump = asyncio.ensure_future(_pump(cast(Any, response.body_iterator), send))
     watch = asyncio.ensure_future(_disconnected(receive))
     try:
         await asyncio.wait((pump, watch), return_when=asyncio.FIRST_COMPLETED)

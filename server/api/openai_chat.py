@@ -18,9 +18,11 @@ from fastapi import APIRouter, Response
 from server.api.deps import CurrentUser, Idempotency, SessionDep, SessionHint, StateDep, session_key
 from server.chats.admission import admit
 from server.chats.finished import Finished
+from server.chats.follow import Ended, load
+from server.chats.follow import follow as follow_message
 from server.errors import ApiError
 from server.idempotency import IdempotencyKey
-from server.openai.choices import Progress, collect, follow
+from server.openai.choices import Progress, collect
 from server.openai.conversations import parse_messages
 from server.openai.params import require_model, sampling_params, unsupported
 from server.openai.render import (
@@ -125,6 +127,8 @@ async def _chat(
     ids = turn.message_ids
     ctx = _ChatContext(body, f"chatcmpl-{ids[0]}", turn.created, turn.forked, turn.info())
     if body.stream:
+        if len(ids) == 1:
+            return event_stream(ctx.choice_chunks(state, 0, ids[0], last=True), state.metrics)
         chunks = merged([ctx.choice_chunks(state, i, mid) for i, mid in enumerate(ids)])
         return event_stream(ctx.stream(chunks), state.metrics)
     results = await asyncio.gather(*(collect(state, mid) for mid in ids))
@@ -238,24 +242,33 @@ class _ChatContext:
             "tokentrail": self._info(first),
         }
 
-    async def stream(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        async for chunk in chunks:
-            yield chunk
+    def trailer(self) -> list[bytes]:
+        """What follows the choices' chunks: the usage chunk when asked for, and ``[DONE]``."""
         options = self.req.stream_options
         if options is not None and options.include_usage:
             prompt, completion, cached = self.usage
-            yield sse({**self._base(), "choices": [], "usage": usage(prompt, completion, cached)})
-        yield SSE_DONE
+            return [sse({**self._base(), "choices": [], "usage": usage(prompt, completion, cached)}), SSE_DONE]
+        return [SSE_DONE]
 
-    async def choice_chunks(self, state: AppState, index: int, message_id: str) -> AsyncIterator[bytes]:
-        progress = Progress()
+    async def stream(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        async for chunk in chunks:
+            yield chunk
+        for chunk in self.trailer():
+            yield chunk
+
+    async def choice_chunks(
+        self, state: AppState, index: int, message_id: str, *, last: bool = False
+    ) -> AsyncIterator[bytes]:
+        """One choice's chunks; ``last``: the request's only choice, followed by the ``trailer`` (one
+        generator layer fewer per token than ``stream`` around it)."""
         first = True
+        streamed = 0  # tokens delivered so far
         # The deltas add up to the stored message (DESIGN D19): held text comes out when it is sure.
         reply = ReplyStream(self.req.stop_strings())
         prompt_sent = False
         interval = self.req.stream_interval or state.settings.stream_interval
-        async for item in follow(state, message_id, progress, interval):
-            if isinstance(item, TokenBatch):
+        async for item in follow_message(state, message_id, interval=interval):
+            if type(item) is TokenBatch:
                 delta: dict[str, Any] = {"role": "assistant"} if first else {}
                 _add_text(delta, reply.feed(item.texts, item.channels))
                 choice: dict[str, Any] = {
@@ -276,18 +289,23 @@ class _ChatContext:
                     )
                     choice["logprobs"] = {"content": entries}
                 chunk = {**self._base(), "choices": [choice]}
-                if first and progress.prompt_ids is not None:
-                    chunk["prompt_token_ids"] = progress.prompt_ids
+                if first and item.start == 0 and item.prompt_ids is not None:
+                    chunk["prompt_token_ids"] = item.prompt_ids
                     prompt_sent = True
                 first = False
+                streamed = item.end
                 yield sse(chunk)
             elif isinstance(item, StreamReset):
+                streamed = min(streamed, item.from_index)
                 yield sse({**self._base(), "choices": [], "tokentrail": {"reset_from": item.from_index}})
-            else:
-                msg, tokens = item.message, item.tokens
+            elif isinstance(item, Ended):
+                done = await load(state, message_id)
+                if done is None:  # deleted while generating: the stream just ends
+                    break
+                msg, tokens = done.message, done.tokens
                 if msg.state != MessageState.complete.value or tokens is None:
                     yield error_chunk(msg)
-                    return
+                    break
                 delta = {"role": "assistant"} if first else {}
                 calls = msg.tool_calls if self.with_tools else None
                 if calls:
@@ -300,7 +318,7 @@ class _ChatContext:
                 completion = len(stored_ids)
                 # tokens the stream did not deliver (its Redis entries were lost with a restart) come
                 # here, so that the streamed token ids add up to the stored ones as the text does
-                missed = stored_ids[len(progress.token_ids) :]
+                missed = stored_ids[streamed:]
                 if index == 0:
                     self.usage[0], self.usage[2] = len(prompt), tokens.num_cached_tokens or 0
                 self.usage[1] += completion
@@ -316,8 +334,11 @@ class _ChatContext:
                             "token_ids": missed,
                         }
                     ],
-                    "tokentrail": self._info(item),
+                    "tokentrail": self._info(done),
                 }
                 if not prompt_sent:
                     end["prompt_token_ids"] = prompt
                 yield sse(end)
+        if last:
+            for tail in self.trailer():
+                yield tail

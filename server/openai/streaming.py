@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 from fastapi.responses import StreamingResponse
+from starlette.types import Send
 
 from server.metrics import Metrics
 from server.models import Message
@@ -73,10 +74,32 @@ async def _interleaved(sources: list[AsyncIterator[bytes]]) -> AsyncIterator[byt
                 await t
 
 
-def event_stream(chunks: AsyncIterator[bytes], metrics: Metrics) -> StreamingResponse:
+class SseStream(StreamingResponse):
+    """Pre-encoded SSE chunks, counted as an SSE reader while they are sent, ending with an error chunk
+    and ``[DONE]`` if they fail. Starlette sends ``body_iterator`` (the chunks wrapped to do that); the
+    generation routes' lane sends ``chunks`` itself (``pump``), one generator layer fewer per token."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], metrics: Metrics) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(_counted(chunks, metrics), media_type="text/event-stream", headers=headers)
+        self.chunks = chunks
+        self.metrics = metrics
+
+    async def pump(self, send: Send) -> None:
+        """Send every chunk as an ASGI body message, as ``body_iterator`` gives them, then the end."""
+        with self.metrics.sse_reader():
+            try:
+                async for chunk in self.chunks:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except Exception as exc:
+                for chunk in (failure_chunk(exc), SSE_DONE):
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def event_stream(chunks: AsyncIterator[bytes], metrics: Metrics) -> SseStream:
     """Pre-encoded SSE chunks as a response that proxies must not buffer, counted as an SSE reader."""
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(_counted(chunks, metrics), media_type="text/event-stream", headers=headers)
+    return SseStream(chunks, metrics)
 
 
 async def _counted(chunks: AsyncIterator[bytes], metrics: Metrics) -> AsyncIterator[bytes]:

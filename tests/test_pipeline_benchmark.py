@@ -257,3 +257,29 @@ def test_ceiling_against_another_commit_runs_that_commits_code(tiny_model_dir: P
     assert all(p["errors"] == 0 and p["tokens_per_s"] > 0 for p in points.values())
     [row] = data["ratios"]
     assert row["x_at-HEAD"] > 0 and row["server_cpu_x_at-HEAD"] > 0
+
+
+def test_ceiling_processes_sweep_serves_from_n_processes_on_postgres_and_redis(tiny_model_dir: Path) -> None:
+    """``--processes 1,2``: the ceiling on ``serve --processes N`` (PostgreSQL + Redis) with N synthetic
+    workers; 2 is compared with 1, and the server's CPU is its processes' (the parent's children too)."""
+    data = _run(
+        "--model-dir", str(tiny_model_dir), "--ceiling", "--api", "openai", "--concurrency", "2",
+        "--duration", "1.5", "--tokens", "100", "--processes", "1,2",
+    )  # fmt: skip
+    points = {p["arm"]: p for p in data["points"]}
+    assert set(points) == {"processes-1/openai", "processes-2/openai"}
+    for p in points.values():
+        assert p["errors"] == 0 and p["tokens_per_s"] > 0 and p["server_cpu_ms_per_token"] > 0
+    rows = {r["arm"]: r for r in data["ratios"]}
+    assert rows["processes-2/openai"]["x_processes-1"] > 0
+
+
+def test_processes_is_refused_without_ceiling() -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "pipeline.py"), "--processes", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode != 0 and "--processes goes with --ceiling" in out.stderr

@@ -105,6 +105,17 @@ def _levels(args: argparse.Namespace) -> list[int]:
     return [int(c) for c in args.concurrency.split(",")]
 
 
+def _counts(text: str) -> list[int]:
+    """``--processes``: a comma list of server process counts, each at least 1."""
+    try:
+        counts = [int(c) for c in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"--processes: a comma list of whole numbers, not {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise SystemExit(f"--processes: every count is at least 1, not {text!r}")
+    return counts
+
+
 def workloads(args: argparse.Namespace) -> list[Workload]:
     return [
         Workload(kind, args.turns, stop, args.tokens, args.seed_requests, args.run_seed)
@@ -270,6 +281,10 @@ def parser() -> argparse.ArgumentParser:
         metavar="REF",
         help="--ceiling: first measure commit REF of this repository (its server and worker) in the same run",
     )
+    ap.add_argument(
+        "--processes",
+        help="--ceiling: comma list of server process counts (serve --processes N on PostgreSQL + Redis, N workers)",
+    )
     ap.add_argument("--prompt-build", action="store_true", help="time prompt builds after 1k / 8k / 32k tokens")
     ap.add_argument("--idle-streams", type=int, default=0, help="server memory per connected SSE reader (e.g. 5000)")
     ap.add_argument("--profile", type=Path, help="py-spy each process over each window; summaries + raw stacks here")
@@ -345,6 +360,8 @@ def main() -> int:
         rows = prompt_build_rows(args.model_dir or prepare_model("chatml"), (1_000, 8_000, 32_000))
         print(json.dumps(rows) if args.json else "\n".join(", ".join(f"{k}={v}" for k, v in r.items()) for r in rows))
         return 0
+    if args.processes and not args.ceiling:
+        raise SystemExit("--processes goes with --ceiling")
     if args.ceiling:
         from benchmarks.pipeline.modes import run_ceiling
 
@@ -360,7 +377,16 @@ def main() -> int:
                 points += run_ceiling(
                     model_dir, _levels(args), tokens, args.duration, args.readers, apis, code, arm=f"at-{args.against}"
                 )
-        points += run_ceiling(model_dir, _levels(args), tokens, args.duration, args.readers, apis)
+        if args.processes:
+            counts = _counts(args.processes)
+            say(f"the ceiling with {', '.join(map(str, counts))} server processes, on PostgreSQL + Redis")
+            for n in counts:
+                points += run_ceiling(
+                    model_dir, _levels(args), tokens, args.duration, args.readers, apis, arm=f"processes-{n}",
+                    processes=n,
+                )  # fmt: skip
+        else:
+            points += run_ceiling(model_dir, _levels(args), tokens, args.duration, args.readers, apis)
     else:
         where = f" on {args.device}" if args.engine == "hf" else ""
         say(f"run seed {args.run_seed} (--run-seed); engine {args.engine}{where}, dtype {engine_dtype(args.dtype)}")

@@ -219,18 +219,32 @@ def run_ceiling(
     apis: list[str] | None = None,
     code: Path | None = None,
     arm: str = "synthetic",
+    processes: int | None = None,
 ) -> list[Point]:
     """Single turns of exactly ``tokens`` tokens from the synthetic engine, through each of ``apis`` (the OA
     flow with ``readers`` SSE readers per message; streamed chat completions, one reader per reply).
-    ``code``: another checkout whose server and worker (and its own synthetic worker) run instead."""
+    ``code``: another checkout whose server and worker (and its own synthetic worker) run instead.
+    ``processes``: ``tokentrail serve --processes N`` on PostgreSQL + Redis (a fresh database each), with N
+    synthetic workers, each taking up to the highest concurrency ÷ N; its server CPU is the N processes' and
+    their parent's. None: the embedded default (one process, SQLite, in-process queue and streams)."""
+    from benchmarks.pipeline.stack import postgres_and_redis
+
     entry = code / "benchmarks" / "pipeline.py" if code is not None else ENTRY
+    n = processes or 1
     worker_cmd = [sys.executable, str(entry), "--synthetic-worker", "--model-dir", model_dir,
-                  "--capacity", str(max(levels))]  # fmt: skip
+                  "--capacity", str(-(-max(levels) // n))]  # fmt: skip
     workload = Workload("single", 1, "fixed", tokens)
-    with tempfile.TemporaryDirectory(prefix="tt-ceiling-") as tmp:
+    backing: contextlib.AbstractContextManager[dict[str, str]] = (
+        postgres_and_redis() if processes is not None else contextlib.nullcontext({})
+    )
+    with tempfile.TemporaryDirectory(prefix="tt-ceiling-") as tmp, backing as env:
         work = Path(tmp)
-        with tokentrail_stack(work, model_dir, max(levels), "hf", worker_cmd=worker_cmd, code=code) as stack:
-            meter = CpuMeter([Role("server", stack.pids["server"]), Role("worker", stack.pids["worker"])], client=True)
+        with tokentrail_stack(
+            work, model_dir, max(levels), "hf", env, worker_cmd=worker_cmd, code=code, processes=n, workers=n
+        ) as stack:
+            roles = [Role("server", stack.pids["server"])]
+            roles += [Role("worker", pid) for name, pid in stack.pids.items() if name.startswith("worker")]
+            meter = CpuMeter(roles, client=True, services=processes is not None)
             return asyncio.run(
                 drive_tokentrail(
                     arm, stack.url, stack.user_key, meter, apis or ["oa"], [workload], levels, duration, readers

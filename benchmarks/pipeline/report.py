@@ -36,7 +36,7 @@ def ratios(points: Sequence[Point]) -> list[dict[str, Any]]:
     by = _index(points)
     out = []
     for (arm, key), s in by.items():
-        if arm not in TOKENTRAIL_ARMS:
+        if arm not in TOKENTRAIL_ARMS and not arm.startswith("processes-"):
             continue
         workload, stop, api, c = key
         row: dict[str, Any] = {"arm": s["arm"], "workload": workload, "stop": stop, "concurrency": c}
@@ -83,6 +83,10 @@ def ratios(points: Sequence[Point]) -> list[dict[str, Any]]:
                         row[f"server_cpu_x_{other}"] = _ratio(
                             s["server_cpu_ms_per_token"], o["server_cpu_ms_per_token"]
                         )
+        if arm.startswith("processes-") and arm != "processes-1":  # the ceiling's --processes sweep
+            one = by.get(("processes-1", key))
+            if one and one["tokens_per_s"]:
+                row["x_processes-1"] = _ratio(s["tokens_per_s"], one["tokens_per_s"])
         out.append(row)
     return out
 

@@ -14,6 +14,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+
 from benchmarks.models import vllm_python
 from benchmarks.pipeline.conversation import MODEL
 from benchmarks.pipeline.measure import Point
@@ -54,11 +56,15 @@ def tokentrail_stack(
     one_process: bool = False,
     engine_args: Sequence[str] = (),
     code: Path | None = None,
+    processes: int = 1,
+    workers: int = 1,
 ) -> Iterator[Stack]:
     """A server process and a worker process (``worker_cmd``: another worker program); ``one_process``:
     ``tokentrail serve --model``, the worker inside the server's process (pids: the server only);
     ``engine_args``: more of the worker's options (``--vllm-chunked-prefill``); ``code``: another checkout
-    of tokentrail whose server and worker run (its packages first on their ``PYTHONPATH``)."""
+    of tokentrail whose server and worker run (its packages first on their ``PYTHONPATH``);
+    ``processes``: ``tokentrail serve --processes N`` (the server's pid is their parent's; Redis must be in
+    ``env``); ``workers``: that many worker processes (pids ``worker``, ``worker-2``...)."""
     data = work / "data"
     data.mkdir(exist_ok=True)
     env = {
@@ -89,6 +95,8 @@ def tokentrail_stack(
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         serve = ["serve", "--port", str(port), "--log-level", "warning"]
+        if processes > 1:
+            serve += ["--processes", str(processes)]
         if one_process:
             server = spawn([*serve, *model_args], program=program, output=work / "server.log", env=extra)
         else:
@@ -96,18 +104,21 @@ def tokentrail_stack(
         procs = {"server": server}
         try:
             wait_ready(lambda: answers(url), procs, "server", load_s if one_process else 180, logs=work)
-            if worker_cmd is not None:
-                worker = spawn(["--server-url", url, "--api-key", key], program=worker_cmd, output=work / "worker.log")
-                procs["worker"] = worker
-            elif not one_process:
-                worker = spawn(
-                    ["worker", "--server-url", url, "--api-key", key, *model_args, "--log-level", "warning"],
-                    program=program,
-                    output=work / "worker.log",
-                    env=extra,
-                )
-                procs["worker"] = worker
+            for k in range(1, workers + 1 if not one_process or worker_cmd is not None else 1):
+                name = "worker" if k == 1 else f"worker-{k}"
+                if worker_cmd is not None:
+                    args = ["--server-url", url, "--api-key", key]
+                    procs[name] = spawn(args, program=worker_cmd, output=work / f"{name}.log")
+                else:
+                    procs[name] = spawn(
+                        ["worker", "--server-url", url, "--api-key", key, *model_args, "--log-level", "warning"],
+                        program=program,
+                        output=work / f"{name}.log",
+                        env=extra,
+                    )
             wait_ready(lambda: offers(url, [MODEL]), procs, "worker", load_s, logs=work)
+            if workers > 1:
+                wait_ready(lambda: _connected(url) >= workers, procs, "workers", load_s, logs=work)
             yield Stack(url, {name: p.pid for name, p in procs.items()}, user_key)
         finally:
             for name, p in reversed(procs.items()):
@@ -118,6 +129,15 @@ def tokentrail_stack(
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _connected(url: str) -> int:
+    """Workers connected to any of the server's processes (its ``tokentrail_cluster_workers``)."""
+    with contextlib.suppress(httpx.HTTPError):
+        for line in httpx.get(f"{url}/metrics", timeout=2).text.splitlines():
+            if line.startswith("tokentrail_cluster_workers{") and f'model="{MODEL}"' in line:
+                return int(float(line.rsplit(" ", 1)[1]))
+    return 0
 
 
 _ISSUE_KEYS = """

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -126,13 +126,21 @@ class SupervisedEngine:
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: GenerationParams
     ) -> AsyncGenerator[TokenStep, None]:
+        with self.running(request_id) as engine:
+            async for step in engine.generate(request_id, prompt_ids, params):
+                yield step
+
+    @contextlib.contextmanager
+    def running(self, request_id: str) -> Iterator[Engine]:
+        """The current engine, to generate ``request_id`` with inside the block: what ``generate`` does,
+        without its generator layer on every step (the worker's pipeline iterates the engine itself). The
+        request counts as active meanwhile; an ``EngineDead`` raised in the block starts the restart."""
         engine = self._engine
         if self.state != "ready":
             raise EngineDead(f"the engine is {self.state}")
         self._active.add(request_id)
         try:
-            async for step in engine.generate(request_id, prompt_ids, params):
-                yield step
+            yield engine
         except EngineDead as exc:
             self._died(engine, str(exc))
             raise

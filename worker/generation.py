@@ -10,6 +10,7 @@ tokens an earlier attempt streamed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from collections.abc import AsyncGenerator
@@ -59,24 +60,25 @@ class Pipeline:
             request_id = engine_request_id(work.message_id, work.attempt)
             engine_prompt = gen.prompt.prompt_ids + gen.token_ids
             first = True
-            async for step in self.engine.generate(request_id, engine_prompt, self._params(work, remaining)):
-                if first:
-                    if step.prompt_token_ids is not None and step.prompt_token_ids != engine_prompt:
-                        await self.engine.abort(request_id)
-                        raise EngineError(
-                            ErrorCode.engine_error.value, "the engine consumed other prompt tokens than were sent"
-                        )
-                    gen.num_cached_tokens = step.num_cached_tokens
-                    first = False
-                if step.token_ids:
-                    tokens, hit = gen.add(step)
-                    yield tokens
-                    if hit is not None:
-                        await self.engine.abort(request_id)
-                        gen.finish("stop", hit)
-                        break
-                if step.finish_reason is not None:
-                    gen.finish(step.finish_reason, step.stop_reason)
+            with self._running(request_id) as engine:
+                async for step in engine.generate(request_id, engine_prompt, self._params(work, remaining)):
+                    if first:
+                        if step.prompt_token_ids is not None and step.prompt_token_ids != engine_prompt:
+                            await self.engine.abort(request_id)
+                            raise EngineError(
+                                ErrorCode.engine_error.value, "the engine consumed other prompt tokens than were sent"
+                            )
+                        gen.num_cached_tokens = step.num_cached_tokens
+                        first = False
+                    if step.token_ids:
+                        tokens, hit = gen.add(step)
+                        yield tokens
+                        if hit is not None:
+                            await self.engine.abort(request_id)
+                            gen.finish("stop", hit)
+                            break
+                    if step.finish_reason is not None:
+                        gen.finish(step.finish_reason, step.stop_reason)
         elif remaining > 0:  # the resumed text already holds a stop string
             gen.finish("stop", gen.stops.found(gen.detok.text))
         yield FinishedFrame(message_id=work.message_id, attempt=work.attempt, record=gen.record(self.engine.info.name))
@@ -84,6 +86,12 @@ class Pipeline:
     async def cancel(self, message_id: str, attempt: int) -> None:
         """Stop generating for this attempt (its engine stream ends with finish_reason "abort")."""
         await self.engine.abort(engine_request_id(message_id, attempt))
+
+    def _running(self, request_id: str) -> contextlib.AbstractContextManager[Engine]:
+        """The engine to iterate for ``request_id``: a supervised engine's current one (its ``running``:
+        no wrapper generator per step), else the engine itself."""
+        running = getattr(self.engine, "running", None)
+        return running(request_id) if running is not None else contextlib.nullcontext(self.engine)
 
     def _start(self, work: WorkFrame) -> Generation:
         prompt, check = self.prompts.build(work)

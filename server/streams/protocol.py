@@ -18,8 +18,10 @@ class StreamConflict(Exception):
     """A batch does not start at the stream's current length, or the stream has finished."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen init costs ~1 us more, and one is made per message per step
 class TokenBatch:
+    """Never changed once made (readers share one): new batches are made instead."""
+
     start: int
     token_ids: list[int]
     logprobs: list[float | None]

@@ -272,12 +272,11 @@ class StreamTimer:
         self.created_at = created_at  # None: a resumed attempt (its first token was long ago)
         self.last_at = 0.0
 
-    def tokens(self, metrics: Metrics, model: str, count: int) -> None:
-        now = time.monotonic()
-        series = metrics.model_series(model)
+    def tokens(self, series: ModelSeries, count: int, now: float) -> None:
+        """``count`` tokens arrived at ``now`` (monotonic): the first token's latency, else the gap per
+        token. The tokens counter is the caller's (one increment per engine step and model)."""
         if self.last_at:
             series.inter_token.observe((now - self.last_at) / count)
         elif self.created_at is not None:
             series.ttft.observe(seconds_since(self.created_at))
         self.last_at = now
-        series.tokens.inc(count)

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Response
+from starlette.types import Send
 
 from server.api.deps import CurrentUser, Idempotency, SessionDep, SessionHint, StateDep, session_key
 from server.chats.admission import admit
@@ -37,7 +38,7 @@ from server.openai.render import (
     tokentrail_info,
     usage,
 )
-from server.openai.streaming import SSE_DONE, error_chunk, event_stream, merged, sse
+from server.openai.streaming import SSE_DONE, eager_send, error_chunk, event_stream, merged, sse
 from server.openai.turns import Turn, replayed_turn, start_turn
 from server.state import AppState
 from server.streams.protocol import StreamReset, TokenBatch
@@ -128,7 +129,9 @@ async def _chat(
     ctx = _ChatContext(body, f"chatcmpl-{ids[0]}", turn.created, turn.forked, turn.info())
     if body.stream:
         if len(ids) == 1:
-            return event_stream(ctx.choice_chunks(state, 0, ids[0], last=True), state.metrics)
+            choice = _Choice(ctx, 0)
+            chunks = ctx.choice_chunks(state, 0, ids[0], last=True, choice=choice)
+            return event_stream(chunks, state.metrics, pusher=choice)
         chunks = merged([ctx.choice_chunks(state, i, mid) for i, mid in enumerate(ids)])
         return event_stream(ctx.stream(chunks), state.metrics)
     results = await asyncio.gather(*(collect(state, mid) for mid in ids))
@@ -179,6 +182,85 @@ async def _new_turn(
         required_prefix_ids=body.required_prefix_token_ids,
         session_key=session_key(body.prompt_cache_key) or hint,
     )
+
+
+class _Choice:
+    """One streamed choice: what its chunks have said so far, shared by its reader loop
+    (``choice_chunks``) and its push path. Given the response's ``send`` (``SseStream.pump``), the push
+    path writes each new batch's chunk where the batch is appended (``MemoryTokenStreams.deliver``)
+    while the loop waits: no task woken, no generator resumed per engine step. A write that cannot
+    finish at once (the client reads slowly) is finished by a task, and the loop takes over until it has."""
+
+    __slots__ = ("after", "ctx", "first", "index", "pending", "prompt_sent", "reply", "send", "streamed")
+
+    def __init__(self, ctx: _ChatContext, index: int) -> None:
+        self.ctx = ctx
+        self.index = index
+        self.first = True
+        # The deltas add up to the stored message (DESIGN D19): held text comes out when it is sure.
+        self.reply = ReplyStream(ctx.req.stop_strings())
+        self.prompt_sent = False
+        self.streamed = 0  # tokens delivered so far
+        self.after = -1  # the last token index delivered (``follow``'s position, for the push path)
+        self.send: Send | None = None
+        self.pending: asyncio.Future[None] | None = None  # a pushed chunk's write, not finished yet
+
+    def chunk(self, item: TokenBatch) -> bytes:
+        ctx = self.ctx
+        delta: dict[str, Any] = {"role": "assistant"} if self.first else {}
+        _add_text(delta, self.reply.feed(item.texts, item.channels))
+        choice: dict[str, Any] = {
+            "index": self.index,
+            "delta": delta,
+            "logprobs": None,
+            "finish_reason": None,
+            "token_ids": item.token_ids,
+        }
+        if ctx.req.logprobs:
+            entries = logprob_entries(
+                item.token_ids,
+                item.logprobs,
+                item.texts,
+                item.top_logprobs,
+                top_n=ctx.top,
+                as_ids=ctx.req.return_tokens_as_token_ids,
+            )
+            choice["logprobs"] = {"content": entries}
+        chunk = {**ctx._base(), "choices": [choice]}
+        if self.first and item.start == 0 and item.prompt_ids is not None:
+            chunk["prompt_token_ids"] = item.prompt_ids
+            self.prompt_sent = True
+        self.first = False
+        self.streamed = item.end
+        return sse(chunk)
+
+    def __call__(self, batch: TokenBatch) -> bool:
+        """The push path: write ``batch``'s chunk now, or False (the loop takes it)."""
+        if self.send is None or batch.start != self.after + 1 or not batch.token_ids:
+            return False
+        if self.pending is not None:
+            if not self.pending.done() or self.pending.cancelled() or self.pending.exception() is not None:
+                return False  # the loop waits for it (and raises what it raised)
+            self.pending = None
+        try:
+            data = self.chunk(batch)
+        except Exception:
+            log.exception("a pushed chunk failed; the reader takes the batch")
+            return False
+        self.after = batch.end - 1
+        self.pending = eager_send(self.send, data)
+        return True
+
+    async def flushed(self) -> None:
+        """Wait for the pushed chunk still being written (its error, if any, is raised)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            await pending
+
+    def close(self) -> None:
+        self.send = None
+        if self.pending is not None and not self.pending.done():
+            self.pending.cancel()
 
 
 class _ChatContext:
@@ -257,88 +339,75 @@ class _ChatContext:
             yield chunk
 
     async def choice_chunks(
-        self, state: AppState, index: int, message_id: str, *, last: bool = False
+        self, state: AppState, index: int, message_id: str, *, last: bool = False, choice: _Choice | None = None
     ) -> AsyncIterator[bytes]:
         """One choice's chunks; ``last``: the request's only choice, followed by the ``trailer`` (one
-        generator layer fewer per token than ``stream`` around it)."""
-        first = True
-        streamed = 0  # tokens delivered so far
-        # The deltas add up to the stored message (DESIGN D19): held text comes out when it is sure.
-        reply = ReplyStream(self.req.stop_strings())
-        prompt_sent = False
+        generator layer fewer per token than ``stream`` around it). ``choice``: its state, when the
+        response may push token chunks itself (``SseStream.pump`` gives it the ``send``)."""
+        choice = choice or _Choice(self, index)
         interval = self.req.stream_interval or state.settings.stream_interval
-        async for item in follow_message(state, message_id, interval=interval):
-            if type(item) is TokenBatch:
-                delta: dict[str, Any] = {"role": "assistant"} if first else {}
-                _add_text(delta, reply.feed(item.texts, item.channels))
-                choice: dict[str, Any] = {
-                    "index": index,
-                    "delta": delta,
-                    "logprobs": None,
-                    "finish_reason": None,
-                    "token_ids": item.token_ids,
-                }
-                if self.req.logprobs:
-                    entries = logprob_entries(
-                        item.token_ids,
-                        item.logprobs,
-                        item.texts,
-                        item.top_logprobs,
-                        top_n=self.top,
-                        as_ids=self.req.return_tokens_as_token_ids,
-                    )
-                    choice["logprobs"] = {"content": entries}
-                chunk = {**self._base(), "choices": [choice]}
-                if first and item.start == 0 and item.prompt_ids is not None:
-                    chunk["prompt_token_ids"] = item.prompt_ids
-                    prompt_sent = True
-                first = False
-                streamed = item.end
-                yield sse(chunk)
-            elif isinstance(item, StreamReset):
-                streamed = min(streamed, item.from_index)
-                yield sse({**self._base(), "choices": [], "tokentrail": {"reset_from": item.from_index}})
-            elif isinstance(item, Ended):
-                done = await load(state, message_id)
-                if done is None:  # deleted while generating: the stream just ends
-                    break
-                msg, tokens = done.message, done.tokens
-                if msg.state != MessageState.complete.value or tokens is None:
-                    yield error_chunk(msg)
-                    break
-                delta = {"role": "assistant"} if first else {}
-                calls = msg.tool_calls if self.with_tools else None
-                if calls:
-                    delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
-                _add_text(delta, reply.finish(msg.content, msg.reasoning_content))
-                if reply.mismatch:
-                    log.warning("message %s: streamed %s differs from the stored one", msg.id, reply.mismatch)
-                prompt = unpack_ids(tokens.prompt_ids)
-                stored_ids = unpack_ids(tokens.completion_ids)
-                completion = len(stored_ids)
-                # tokens the stream did not deliver (its Redis entries were lost with a restart) come
-                # here, so that the streamed token ids add up to the stored ones as the text does
-                missed = stored_ids[streamed:]
-                if index == 0:
-                    self.usage[0], self.usage[2] = len(prompt), tokens.num_cached_tokens or 0
-                self.usage[1] += completion
-                end: dict[str, Any] = {
-                    **self._base(),
-                    "choices": [
-                        {
-                            "index": index,
-                            "delta": delta,
-                            "logprobs": None,
-                            "finish_reason": finish_reason(msg) if self.with_tools else msg.finish_reason,
-                            "stop_reason": stop_reason(tokens),
-                            "token_ids": missed,
-                        }
-                    ],
-                    "tokentrail": self._info(done),
-                }
-                if not prompt_sent:
-                    end["prompt_token_ids"] = prompt
-                yield sse(end)
+        try:
+            async for item in follow_message(state, message_id, interval=interval, push=choice):
+                if choice.pending is not None:  # a pushed chunk still being written goes out first
+                    await choice.flushed()
+                if type(item) is TokenBatch:
+                    yield choice.chunk(item)
+                elif isinstance(item, StreamReset):
+                    choice.streamed = min(choice.streamed, item.from_index)
+                    yield sse({**self._base(), "choices": [], "tokentrail": {"reset_from": item.from_index}})
+                elif isinstance(item, Ended):
+                    done = await load(state, message_id)
+                    if done is None:  # deleted while generating: the stream just ends
+                        break
+                    msg, tokens = done.message, done.tokens
+                    if msg.state != MessageState.complete.value or tokens is None:
+                        yield error_chunk(msg)
+                        break
+                    yield self._final(choice, done)
+            if choice.pending is not None:
+                await choice.flushed()
+        finally:
+            choice.close()
         if last:
             for tail in self.trailer():
                 yield tail
+
+    def _final(self, choice: _Choice, done: Finished) -> bytes:
+        """The choice's last chunk, from the stored message: the text the stream held back, the tool
+        calls, the finish and stop reasons, and the token ids the stream did not deliver."""
+        msg, tokens = done.message, done.tokens
+        assert tokens is not None
+        index = choice.index
+        delta: dict[str, Any] = {"role": "assistant"} if choice.first else {}
+        calls = msg.tool_calls if self.with_tools else None
+        if calls:
+            delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+        reply = choice.reply
+        _add_text(delta, reply.finish(msg.content, msg.reasoning_content))
+        if reply.mismatch:
+            log.warning("message %s: streamed %s differs from the stored one", msg.id, reply.mismatch)
+        prompt = unpack_ids(tokens.prompt_ids)
+        stored_ids = unpack_ids(tokens.completion_ids)
+        # tokens the stream did not deliver (its Redis entries were lost with a restart) come here, so
+        # that the streamed token ids add up to the stored ones as the text does
+        missed = stored_ids[choice.streamed :]
+        if index == 0:
+            self.usage[0], self.usage[2] = len(prompt), tokens.num_cached_tokens or 0
+        self.usage[1] += len(stored_ids)
+        end: dict[str, Any] = {
+            **self._base(),
+            "choices": [
+                {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": None,
+                    "finish_reason": finish_reason(msg) if self.with_tools else msg.finish_reason,
+                    "stop_reason": stop_reason(tokens),
+                    "token_ids": missed,
+                }
+            ],
+            "tokentrail": self._info(done),
+        }
+        if not choice.prompt_sent:
+            end["prompt_token_ids"] = prompt
+        return sse(end)

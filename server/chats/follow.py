@@ -17,11 +17,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from server.chats.finished import Finished
 from server.models import Message, MessageTokens
 from server.outages import is_unavailable, until_available
 from server.state import AppState
+from server.streams.memory import MemoryTokenStreams
 from server.streams.protocol import StreamDone, StreamReset, TokenBatch, concatenated, joins
 from shared.api import FINISHED_STATES
 
@@ -44,8 +46,18 @@ class Ended:
     replay: bool
 
 
+class Pushing(Protocol):
+    """A reader's push path (``MemoryTokenStreams.read``'s ``push``): it takes new batches while the
+    reader waits and delivers them itself; ``after`` is the last index it delivered (``follow`` sets it
+    before each wait and reads it after)."""
+
+    after: int
+
+    def __call__(self, batch: TokenBatch) -> bool: ...
+
+
 async def follow(
-    state: AppState, message_id: str, after: int = -1, interval: int = 1
+    state: AppState, message_id: str, after: int = -1, interval: int = 1, push: Pushing | None = None
 ) -> AsyncIterator[TokenBatch | StreamReset | Waiting | Ended]:
     """The new token batches after index ``after``, resets and empty waits, then ``Ended``.
 
@@ -57,7 +69,14 @@ async def follow(
     embedded server, a Redis restart): it is told to drop them (a ``StreamReset``) when it resumes
     after the restart, and, when the restart comes while it follows, before the first entries it
     takes after starting or after an empty wait (an entry straight after a restart always follows one
-    of those: the reader's connection broke, or it waited for the new attempt)."""
+    of those: the reader's connection broke, or it waited for the new attempt).
+
+    ``push``: with in-process streams, a reader that holds nothing waits with its push path, which takes
+    each new batch as it is appended (no wake per engine step); what it took is skipped here. Anything
+    else (the end, a batch it declines) wakes this loop as usual. A restart replaces the stream: the push
+    path only ever gets batches of the stream the read waits on, appended before the restart (a new
+    attempt's batch that does not continue the reader's position is declined), and the check for a
+    restart after the read sees the position the pushes reached."""
     seen = await state.streams.restarted_at(message_id)
     if after >= 0 and seen is not None and seen[0] <= after:
         yield StreamReset(seen[0])
@@ -65,8 +84,18 @@ async def follow(
     check = True  # look for a restart (since ``seen``) before taking the next entries
     empty = 0
     held = _Held()  # tokens taken but not yet given out (fewer than ``interval``)
+    streams = state.streams
+    pushes = push is not None and interval <= 1 and isinstance(streams, MemoryTokenStreams)
+    wait_s = state.settings.pending_event_interval_s
     while True:
-        entries = await state.streams.read(message_id, after, timeout_s=state.settings.pending_event_interval_s)
+        if pushes and not held:
+            assert push is not None and isinstance(streams, MemoryTokenStreams)
+            push.after = after
+            entries = await streams.read(message_id, after, timeout_s=wait_s, push=push)
+            # what it delivered meanwhile is skipped below (the entries from ``after`` on hold it too)
+            after = max(after, push.after)
+        else:
+            entries = await streams.read(message_id, after, timeout_s=wait_s)
         if check:
             check = False
             mark = await state.streams.restarted_at(message_id)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, Protocol
 
 import orjson
 from fastapi.responses import StreamingResponse
@@ -74,19 +74,59 @@ async def _interleaved(sources: list[AsyncIterator[bytes]]) -> AsyncIterator[byt
                 await t
 
 
+class Pusher(Protocol):
+    """A stream source that can also write chunks itself, given the response's ``send``."""
+
+    send: Send | None
+
+
+def eager_send(send: Send, data: bytes) -> asyncio.Future[None] | None:
+    """Send a body chunk from plain (non-async) code: the ASGI ``send`` is run at once, and normally
+    returns without suspending (the server writes to its transport). If it suspends (the client reads
+    slowly: the server waits for its buffer to drain), a task finishes it: the returned future, which the
+    caller must await before sending anything else. None: sent."""
+    coro = send({"type": "http.response.body", "body": data, "more_body": True})
+    if not isinstance(coro, Coroutine):  # some other awaitable: run as a task
+        return asyncio.ensure_future(coro)
+    try:
+        waiting = coro.send(None)
+    except StopIteration:
+        return None
+    return asyncio.ensure_future(_finish(coro, waiting))
+
+
+async def _finish(coro: Coroutine[Any, Any, None], waiting: Any) -> None:
+    """Run ``coro`` on from where it suspended, waiting on ``waiting`` (an asyncio future, or None for a
+    bare yield) as a task would."""
+    try:
+        while True:
+            if waiting is None:
+                await asyncio.sleep(0)
+            else:
+                await asyncio.wait([waiting])  # its outcome reaches the coroutine as it resumes
+            waiting = coro.send(None)
+    except StopIteration:
+        return
+    finally:
+        coro.close()
+
+
 class SseStream(StreamingResponse):
     """Pre-encoded SSE chunks, counted as an SSE reader while they are sent, ending with an error chunk
     and ``[DONE]`` if they fail. Starlette sends ``body_iterator`` (the chunks wrapped to do that); the
     generation routes' lane sends ``chunks`` itself (``pump``), one generator layer fewer per token."""
 
-    def __init__(self, chunks: AsyncIterator[bytes], metrics: Metrics) -> None:
+    def __init__(self, chunks: AsyncIterator[bytes], metrics: Metrics, pusher: Pusher | None = None) -> None:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         super().__init__(_counted(chunks, metrics), media_type="text/event-stream", headers=headers)
         self.chunks = chunks
         self.metrics = metrics
+        self.pusher = pusher  # given ``send`` by ``pump``: it may write token chunks between the chunks
 
     async def pump(self, send: Send) -> None:
         """Send every chunk as an ASGI body message, as ``body_iterator`` gives them, then the end."""
+        if self.pusher is not None:
+            self.pusher.send = send
         with self.metrics.sse_reader():
             try:
                 async for chunk in self.chunks:
@@ -97,9 +137,9 @@ class SseStream(StreamingResponse):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def event_stream(chunks: AsyncIterator[bytes], metrics: Metrics) -> SseStream:
+def event_stream(chunks: AsyncIterator[bytes], metrics: Metrics, pusher: Pusher | None = None) -> SseStream:
     """Pre-encoded SSE chunks as a response that proxies must not buffer, counted as an SSE reader."""
-    return SseStream(chunks, metrics)
+    return SseStream(chunks, metrics, pusher)
 
 
 async def _counted(chunks: AsyncIterator[bytes], metrics: Metrics) -> AsyncIterator[bytes]:

@@ -18,8 +18,16 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from server.streams.protocol import StreamConflict, StreamDone, StreamEntry, TokenBatch, concatenated
+
+
+class Pusher(Protocol):
+    """A waiting reader's way to take a new batch where it is appended, without waking its task:
+    True when it took the batch (the read goes on waiting), False to be woken as usual. Must not raise."""
+
+    def __call__(self, batch: TokenBatch) -> bool: ...
 
 
 @dataclass
@@ -28,8 +36,9 @@ class _Stream:
     ends: list[int] = field(default_factory=list)  # batches[i].end, ascending, for bisect
     done: StreamDone | None = None
     readers: int = 0
-    # resolved by the next change; a dict (ordered, O(1) removal), since a stream may have many readers
-    waiters: dict[asyncio.Future[None], None] = field(default_factory=dict)
+    # resolved by the next change; a dict (ordered, O(1) removal), since a stream may have many readers;
+    # the value: the reader's pusher, which may take a new batch in place of the wake
+    waiters: dict[asyncio.Future[None], Pusher | None] = field(default_factory=dict)
 
     @property
     def length(self) -> int:
@@ -38,6 +47,18 @@ class _Stream:
     def notify(self) -> None:
         waiters, self.waiters = self.waiters, {}
         _wake(waiters)
+
+    def deliver(self, batch: TokenBatch) -> None:
+        """A new batch: each waiting reader's pusher takes it if it can (the reader waits on, no task
+        woken per token), the other waiters are woken."""
+        waiters, self.waiters = self.waiters, {}
+        for waiter, push in waiters.items():
+            if waiter.done():
+                continue
+            if push is not None and push(batch):
+                self.waiters[waiter] = push
+            else:
+                waiter.set_result(None)
 
     def compact(self) -> None:
         """One batch for a finished stream's tokens. A stream is kept ``expire_after_s`` after its end (for
@@ -128,7 +149,12 @@ class MemoryTokenStreams:
         return stream
 
     async def append(self, message_id: str, batch: TokenBatch) -> None:
-        live = self._live(message_id)
+        self._sweep()
+        self._append(message_id, batch)
+
+    def _append(self, message_id: str, batch: TokenBatch) -> None:
+        stream = self._streams.get(message_id)
+        live = stream if stream is not None and (stream.batches or stream.done is not None) else None
         length = live.length if live is not None else 0
         if live is not None and live.done is not None:
             raise StreamConflict(f"stream {message_id} has finished")
@@ -136,16 +162,18 @@ class MemoryTokenStreams:
             raise StreamConflict(f"batch starts at {batch.start}, stream {message_id} has {length}")
         if not batch.token_ids:
             return  # nothing to add; an entry would not advance the stream
-        stream = self._stream(message_id)
+        if stream is None:
+            stream = self._streams[message_id] = _Stream()
         stream.batches.append(batch)
         stream.ends.append(batch.end)
-        stream.notify()
+        stream.deliver(batch)
 
     async def append_many(self, items: list[tuple[str, TokenBatch]]) -> list[StreamConflict | None]:
+        self._sweep()  # once for the engine step, not per message
         out: list[StreamConflict | None] = []
         for message_id, batch in items:
             try:
-                await self.append(message_id, batch)
+                self._append(message_id, batch)
                 out.append(None)
             except StreamConflict as exc:
                 out.append(exc)
@@ -164,7 +192,11 @@ class MemoryTokenStreams:
         stream = self._live(message_id)
         return stream.length if stream is not None else 0
 
-    async def read(self, message_id: str, after: int, timeout_s: float) -> list[StreamEntry]:
+    async def read(
+        self, message_id: str, after: int, timeout_s: float, push: Pusher | None = None
+    ) -> list[StreamEntry]:
+        """As ``TokenStreams.read``; ``push``: while this read waits, new batches go to it first (what it
+        takes is not returned: the reader keeps its own position)."""
         stream = self._stream(message_id)
         entries = stream.entries_after(after)
         if entries or timeout_s <= 0:
@@ -176,7 +208,7 @@ class MemoryTokenStreams:
         try:
             while not entries and loop.time() < deadline:
                 waiter: asyncio.Future[None] = loop.create_future()
-                stream.waiters[waiter] = None
+                stream.waiters[waiter] = push
                 self._ticks.add(loop, deadline, waiter)
                 try:
                     await waiter

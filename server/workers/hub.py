@@ -644,15 +644,21 @@ class WorkerHub:
         batches = [_joined(run) for _, _, run in items]
         appends = [(f.message_id, b) for (f, _, _), b in zip(items, batches, strict=True)]
         results = await self.streams.append_many(appends)
+        now = time.monotonic()
+        counted: dict[str, int] = {}  # tokens per model: one counter increment each
         for (frame, inflight, _), batch, conflict in zip(items, batches, results, strict=True):
             if conflict is None:
                 inflight.next_index = batch.end
                 del inflight.streamed[batch.start :]
                 inflight.streamed += batch.token_ids
                 if inflight.timer is not None:
-                    inflight.timer.tokens(self.metrics, inflight.item.model, len(batch.token_ids))
+                    model = inflight.item.model
+                    inflight.timer.tokens(self.metrics.model_series(model), len(batch.token_ids), now)
+                    counted[model] = counted.get(model, 0) + len(batch.token_ids)
             else:
                 log.warning("rejected tokens %d.. of %s (%s)", frame.start, frame.message_id, conflict)
+        for model, count in counted.items():
+            self.metrics.model_series(model).tokens.inc(count)
 
     async def _on_finished(self, conn: WorkerConnection, frame: FinishedFrame) -> None:
         inflight = self._current(conn, frame.message_id, frame.attempt)

@@ -384,6 +384,14 @@ def export(
     database_url: DatabaseUrl = None,
     data_dir: DataDir = None,
     quiet: Annotated[bool, typer.Option(help="No progress output.")] = False,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Processes that build the rollouts: by default TOKENTRAIL_EXPORT_WORKERS, else one per core"
+            " (up to 4); 1: this process only.",
+        ),
+    ] = None,
     pairs: Annotated[
         bool,
         typer.Option(
@@ -468,6 +476,7 @@ def export(
                 min_version=min_version,
                 max_staleness=max_staleness,
                 progress=not quiet,
+                workers=workers,
             )
         )
     except ValueError as exc:

@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 # anew (15-20 s here). Without AOT compilation torch.compile's own cache is loaded (about 7 s). The
 # vLLM subprocesses inherit this environment.
 os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+# Exports run in this process (one worker): it serves in threads, and a fork of it can hang on a lock
+# another thread held (it did once). The forked workers are tested in fresh processes, given 2 explicitly.
+os.environ.setdefault("TOKENTRAIL_EXPORT_WORKERS", "1")
 
 # Tests of a minute or more are handed out first, and one at a time (``--maxschedchunk=1`` in
 # pyproject.toml): collected last (by file name) and sent in chunks, they could end the run on one

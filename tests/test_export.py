@@ -294,3 +294,21 @@ def test_a_failing_worker_fails_the_export_with_what_happened(
     else:
         assert "ended early (exit code 3)" in proc.stdout, proc.stdout
     assert "children left: 0" in proc.stdout
+
+
+def test_export_workers_come_from_the_option_or_the_environment(
+    embedded_settings: ServerSettings, stored: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from server.export import parallel
+
+    monkeypatch.setenv("TOKENTRAIL_EXPORT_WORKERS", "3")
+    assert parallel.default_workers() == 3
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("TOKENTRAIL_EXPORT_WORKERS", bad)
+        with pytest.raises(ValueError, match="TOKENTRAIL_EXPORT_WORKERS must be a whole number"):
+            parallel.default_workers()
+    monkeypatch.setenv("TOKENTRAIL_EXPORT_WORKERS", "1")
+    one = export(embedded_settings, tmp_path / "one.jsonl", "--user", "ex-alice", "--workers", "1")
+    assert parallel.LAST.workers == 0 and len(one) >= 2  # built in this process
+    result = CliRunner().invoke(app, ["export", "--out", str(tmp_path / "x.jsonl"), "--workers", "0"])
+    assert result.exit_code != 0 and "--workers" in result.output

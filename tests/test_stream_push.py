@@ -164,3 +164,21 @@ async def test_a_reader_without_send_takes_every_batch_itself() -> None:
         await task
     assert _said(bodies) == ("a" * 10, list(range(200, 210)))
     assert choice.pushed == 0
+
+
+def test_reader_path_benchmark_runs_both_ways() -> None:
+    """``benchmarks/reader_path.py`` runs (no timing asserted: the figures are for the docs)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "reader_path.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--readers", "4", "--steps", "50", "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "round 1 pull" in out.stdout and "round 1 push" in out.stdout and "median" in out.stdout

@@ -119,9 +119,19 @@ async def export_pages(job: Job, writer: PageWriter, workers: int) -> AsyncItera
         yield page
 
 
+WORKERS_ENV = "TOKENTRAIL_EXPORT_WORKERS"
+
+
 def default_workers() -> int:
-    """One worker per core this process may run on, up to ``MAX_WORKERS``; elsewhere than on Linux one,
-    this process (its workers are forks, and the writing takes Linux's pipes and ``splice``)."""
+    """``TOKENTRAIL_EXPORT_WORKERS`` if set, else one worker per core this process may run on, up to
+    ``MAX_WORKERS``; elsewhere than on Linux one, this process (its workers are forks, and the writing
+    takes Linux's pipes and ``splice``). A program that runs other threads should export with one: a
+    fork copies only the forking thread, and a lock another thread held at that instant stays held in
+    the child (the test suite, which serves in threads, sets it)."""
+    if (given := os.environ.get(WORKERS_ENV)) is not None:
+        if not given.strip().isdigit() or int(given) < 1:
+            raise ValueError(f"{WORKERS_ENV} must be a whole number of at least 1, not {given!r}")
+        return int(given)
     if sys.platform != "linux":
         return 1
     return min(MAX_WORKERS, len(os.sched_getaffinity(0)))

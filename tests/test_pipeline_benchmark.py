@@ -246,13 +246,18 @@ def test_own_cpu_of_synthetic_arms_is_checked_against_vllm_serves_api_server() -
     assert "x_vllm_serve" not in rows["embedded-synthetic/openai"]  # tokens/s of a step clock say nothing
 
 
+def _short_ceiling(model_dir: Path, *more: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A short ``--ceiling`` on the OpenAI route: the run's JSON, and its points by arm."""
+    data = _run(
+        "--model-dir", str(model_dir), "--ceiling", "--api", "openai", "--concurrency", "2",
+        "--duration", "1.5", "--tokens", "100", *more,
+    )  # fmt: skip
+    return data, {p["arm"]: p for p in data["points"]}
+
+
 def test_ceiling_against_another_commit_runs_that_commits_code(tiny_model_dir: Path) -> None:
     """``--against HEAD``: the same ceiling first on the tree of a commit (``git archive``), then here."""
-    data = _run(
-        "--model-dir", str(tiny_model_dir), "--ceiling", "--api", "openai", "--concurrency", "2",
-        "--duration", "1.5", "--tokens", "100", "--against", "HEAD",
-    )  # fmt: skip
-    points = {p["arm"]: p for p in data["points"]}
+    data, points = _short_ceiling(tiny_model_dir, "--against", "HEAD")
     assert set(points) == {"at-HEAD/openai", "synthetic/openai"}
     assert all(p["errors"] == 0 and p["tokens_per_s"] > 0 for p in points.values())
     [row] = data["ratios"]
@@ -262,11 +267,7 @@ def test_ceiling_against_another_commit_runs_that_commits_code(tiny_model_dir: P
 def test_ceiling_processes_sweep_serves_from_n_processes_on_postgres_and_redis(tiny_model_dir: Path) -> None:
     """``--processes 1,2``: the ceiling on ``serve --processes N`` (PostgreSQL + Redis) with N synthetic
     workers; 2 is compared with 1, and the server's CPU is its processes' (the parent's children too)."""
-    data = _run(
-        "--model-dir", str(tiny_model_dir), "--ceiling", "--api", "openai", "--concurrency", "2",
-        "--duration", "1.5", "--tokens", "100", "--processes", "1,2",
-    )  # fmt: skip
-    points = {p["arm"]: p for p in data["points"]}
+    data, points = _short_ceiling(tiny_model_dir, "--processes", "1,2")
     assert set(points) == {"processes-1/openai", "processes-2/openai"}
     for p in points.values():
         assert p["errors"] == 0 and p["tokens_per_s"] > 0 and p["server_cpu_ms_per_token"] > 0

@@ -23,7 +23,7 @@ from server.chats.finished import Finished
 from server.models import Message, MessageTokens
 from server.outages import is_unavailable, until_available
 from server.state import AppState
-from server.streams.memory import MemoryTokenStreams
+from server.streams.memory import MemoryTokenStreams, Pusher
 from server.streams.protocol import StreamDone, StreamReset, TokenBatch, concatenated, joins
 from shared.api import FINISHED_STATES
 
@@ -46,14 +46,12 @@ class Ended:
     replay: bool
 
 
-class Pushing(Protocol):
+class Pushing(Pusher, Protocol):
     """A reader's push path (``MemoryTokenStreams.read``'s ``push``): it takes new batches while the
     reader waits and delivers them itself; ``after`` is the last index it delivered (``follow`` sets it
     before each wait and reads it after)."""
 
     after: int
-
-    def __call__(self, batch: TokenBatch) -> bool: ...
 
 
 async def follow(

@@ -163,3 +163,21 @@ def test_work_from_memory_equals_work_from_sql(recorded: tuple[ServerThread, lis
             theirs.parent_chain,
             theirs.chat_id,
         )
+
+
+def test_finished_replies_kept_in_memory_equal_their_rows(recorded: tuple[ServerThread, list[Work]]) -> None:
+    """Readers on the storing process take a reply's final event from ``hub.finished`` (snapshots built
+    without the ORM's constructor) rather than from SQL: every column must be what SQL holds."""
+    server, works = recorded
+    key = issue_user_key(server.settings, "finished")
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=120) as client:
+        _openai_conversations(client)
+    finished = server.server.config.app.state.tt.hub.finished
+    kept = {w.message_id: f for w in works if (f := finished.get(w.message_id)) is not None}
+    assert len(kept) >= 6, f"only {len(kept)} of {len(works)} replies were kept"
+    rows = asyncio.run(_finished_from_sql(server.settings, list(kept)))
+    for message_id, done in kept.items():
+        msg, tokens = rows[message_id]
+        assert done.tokens is not None
+        assert _columns(done.message) == _columns(msg), message_id
+        assert _columns(done.tokens) == _columns(tokens), message_id

@@ -43,6 +43,7 @@ async def post_reward(body: RewardRequest, user: CurrentUser, session: SessionDe
         await session.flush()
         await assign_position(session, msg.id)
     await session.commit()
+    state.hub.finished.forget([msg.id])  # readers here read the rewarded row, not the copy kept at its end
     if finished:
         state.feed.notify()
     return RewardRead(

@@ -30,7 +30,9 @@ async def enqueue(
         model = msg.model_config_name or ""
         # this process's dispatch takes it from memory if it claims it (server.workers.work_source)
         params = msg.work_parameters or {}
-        state.paths.pending(PendingWork(msg.id, msg.chat_id, msg.parent_id or "", msg.attempt, params, msg.created_at))
+        state.paths.pending(
+            PendingWork(msg.id, msg.chat_id, msg.parent_id or "", msg.attempt, params, msg.created_at, msg.session_key)
+        )
         try:
             prefer = await state.hub.router.prefer(model, state.paths.holder(msg.parent_id) or holder, session_key)
             await state.queue.enqueue(model, msg.id, msg.attempt, prefer=prefer)

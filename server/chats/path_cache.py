@@ -81,6 +81,7 @@ class PendingWork:
     attempt: int
     work_parameters: dict[str, Any]
     created_at: datetime
+    session_key: str | None = None
 
 
 class PathCache:

@@ -18,7 +18,7 @@ from typing import Any
 from server.chats.finished import Finished
 from server.chats.path_cache import Node, PathCache, StoredChain
 from server.chats.work_store import WorkStore, work_message
-from server.models import Message, MessageTokens
+from server.models import Message, MessageTokens, snapshot
 from server.queue.protocol import WorkItem
 from shared.api import MessageState, WorkParameters
 from shared.packing import pack_ids
@@ -40,39 +40,51 @@ class Work:
     prior: PriorChain | None
     parent_chain: str | None  # the parent's prefix-index key (None: not indexed)
     from_memory: bool = False
+    session_key: str | None = None
+    engine_deaths: int = 0
 
     def stored(
         self, record: GenerationRecord, tokens: dict[str, Any], attempt: int, worker_id: str, chain_hash: str | None
     ) -> Finished:
         """The message and its token row as ``WorkStore.store`` just wrote them (complete)."""
-        message = Message(
-            id=self.message_id,
-            chat_id=self.chat_id,
-            parent_id=self.parent_id,
-            role="assistant",
-            content=record.content,
-            tool_call_id=None,
-            reasoning_content=record.reasoning_content,
-            tool_calls=record.tool_calls or None,
-            state=MessageState.complete.value,
-            created_at=self.created_at,
-            modified_at=tokens["created_at"],
-            score=0,
-            voted_at=None,
-            model_config_name=self.params.model_config_name,
-            work_parameters=self.work_parameters,
-            attempt=attempt,
-            failures=self.failures,
-            worker_id=worker_id,
-            error=None,
-            error_code=None,
-            finish_reason=record.finish_reason,
-            prompt_token_count=len(record.prompt_ids),
-            completion_token_count=len(record.completion_ids),
-            chain_hash=chain_hash,
-            policy_versions=[list(span) for span in record.policy_versions] or None,
+        message = snapshot(
+            Message,
+            {
+                "id": self.message_id,
+                "chat_id": self.chat_id,
+                "parent_id": self.parent_id,
+                "role": "assistant",
+                "content": record.content,
+                "tool_call_id": None,
+                "reasoning_content": record.reasoning_content,
+                "tool_calls": record.tool_calls or None,
+                "state": MessageState.complete.value,
+                "created_at": self.created_at,
+                "modified_at": tokens["created_at"],
+                "score": 0,
+                "voted_at": None,
+                "model_config_name": self.params.model_config_name,
+                "work_parameters": self.work_parameters,
+                "attempt": attempt,
+                "failures": self.failures,
+                "engine_deaths": self.engine_deaths,
+                "worker_id": worker_id,
+                "error": None,
+                "error_code": None,
+                "finish_reason": record.finish_reason,
+                "prompt_token_count": len(record.prompt_ids),
+                "completion_token_count": len(record.completion_ids),
+                "chain_hash": chain_hash,
+                "session_key": self.session_key,
+                "policy_versions": [list(span) for span in record.policy_versions] or None,
+                # a reply takes a reward only once complete: ``POST /v1/rewards`` forgets this copy
+                "reward": None,
+                "episode_done": False,
+                "rewarded_at": None,
+                "feed_seq": None,
+            },
         )
-        return Finished(message, MessageTokens(**tokens))
+        return Finished(message, snapshot(MessageTokens, tokens))
 
     def frame(self, model_name: str, attempt: int, seed: int | None, resume: ResumeState | None) -> WorkFrame:
         params = self.params
@@ -121,6 +133,7 @@ class WorkSource:
                     prior=prior,
                     parent_chain=parent_chain,
                     from_memory=True,
+                    session_key=pending.session_key,
                 )
         return await self.from_db(item.message_id, item.attempt)
 
@@ -145,6 +158,8 @@ class WorkSource:
             path=[work_message(m) for m in rows],
             prior=prior,
             parent_chain=rows[-1].chain_hash if rows else None,
+            session_key=msg.session_key,
+            engine_deaths=msg.engine_deaths,
         )
 
     def _seed(self, rows: list[Message], prior: PriorChain | None) -> None:

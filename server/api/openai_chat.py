@@ -346,6 +346,7 @@ class _ChatContext:
         response may push token chunks itself (``SseStream.pump`` gives it the ``send``)."""
         choice = choice or _Choice(self, index)
         interval = self.req.stream_interval or state.settings.stream_interval
+        ending = b""  # the choice's last chunk (its end, or its error): the stream's last item
         try:
             async for item in follow_message(state, message_id, interval=interval, push=choice):
                 if choice.pending is not None:  # a pushed chunk still being written goes out first
@@ -361,16 +362,17 @@ class _ChatContext:
                         break
                     msg, tokens = done.message, done.tokens
                     if msg.state != MessageState.complete.value or tokens is None:
-                        yield error_chunk(msg)
+                        ending = error_chunk(msg)
                         break
-                    yield self._final(choice, done)
+                    ending = self._final(choice, done)
             if choice.pending is not None:
                 await choice.flushed()
         finally:
             choice.close()
-        if last:
-            for tail in self.trailer():
-                yield tail
+        if last:  # the end, the usage chunk and [DONE] in one write (``SseStream.pump``)
+            ending += b"".join(self.trailer())
+        if ending:
+            yield ending
 
     def _final(self, choice: _Choice, done: Finished) -> bytes:
         """The choice's last chunk, from the stored message: the text the stream held back, the tool

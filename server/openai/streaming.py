@@ -124,17 +124,24 @@ class SseStream(StreamingResponse):
         self.pusher = pusher  # given ``send`` by ``pump``: it may write token chunks between the chunks
 
     async def pump(self, send: Send) -> None:
-        """Send every chunk as an ASGI body message, as ``body_iterator`` gives them, then the end."""
+        """Send every chunk as an ASGI body message, as ``body_iterator`` gives them, then the end. A
+        chunk that ends with ``[DONE]`` goes out with the end of the body: one write, not two."""
         if self.pusher is not None:
             self.pusher.send = send
+        last = b""
         with self.metrics.sse_reader():
             try:
                 async for chunk in self.chunks:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    if last:
+                        await send({"type": "http.response.body", "body": last, "more_body": True})
+                        last = b""
+                    if chunk.endswith(SSE_DONE):
+                        last = chunk
+                    else:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except Exception as exc:
-                for chunk in (failure_chunk(exc), SSE_DONE):
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+                last += failure_chunk(exc) + SSE_DONE
+        await send({"type": "http.response.body", "body": last, "more_body": False})
 
 
 def event_stream(chunks: AsyncIterator[bytes], metrics: Metrics, pusher: Pusher | None = None) -> SseStream:

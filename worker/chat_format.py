@@ -236,11 +236,46 @@ class ChatFormat:
         ids: list[int] = []
         for piece, is_marker in self._split_markers(text):
             if not is_marker:
-                ids += self.tokenizer(piece, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+                ids += self._split_special(piece)
                 continue
             half = len(piece) // 2
             ids += self.encode_content(piece[:half]) + self.encode_content(piece[half:])
         return ids
+
+    def _split_special(self, text: str) -> list[int]:
+        """``tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]``: on a fast
+        tokenizer, its Rust backend's encode with the same settings, without the wrapper's batch layers
+        (half the time of a prompt's message encoding)."""
+        backend = self._rust_encoder
+        if backend is None or backend.truncation is not None or backend.padding is not None:
+            return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+        before = backend.encode_special_tokens
+        backend.encode_special_tokens = True
+        try:
+            return list(backend.encode(text, add_special_tokens=False).ids)
+        finally:
+            backend.encode_special_tokens = before
+
+    @functools.cached_property
+    def _rust_encoder(self) -> Any | None:
+        """The ``tokenizers.Tokenizer`` that the tokenizer's ``__call__`` encodes with and nothing more
+        (no overridden encoding step), else None."""
+        try:
+            from tokenizers import Tokenizer
+            from transformers import PreTrainedTokenizerFast
+            from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        except ImportError:
+            return None
+        backend = getattr(self.tokenizer, "_tokenizer", None)
+        cls = type(self.tokenizer)
+        if (
+            not isinstance(backend, Tokenizer)
+            or not hasattr(backend, "encode_special_tokens")
+            or getattr(cls, "_encode_plus", None) is not PreTrainedTokenizerFast._encode_plus
+            or cls.__call__ is not PreTrainedTokenizerBase.__call__
+        ):
+            return None
+        return backend
 
     def _split_markers(self, text: str) -> list[tuple[str, bool]]:
         if self._marker_re is None or not self._marker_re.search(text):

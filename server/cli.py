@@ -86,6 +86,7 @@ def run_server(
         port=settings.port,
         log_level=log_level,
         log_config=uvicorn_log_config(),
+        timeout_graceful_shutdown=settings.shutdown_grace_s,
     )
 
 

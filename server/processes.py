@@ -80,7 +80,12 @@ def _serve_one(settings: ServerSettings, log_level: str, log_format: str, parent
     _die_with(parent)
     configure_logging(log_level, log_format)
     sock = _listen(settings.host, settings.port)
-    config = uvicorn.Config(create_app(settings, group=group), log_level=log_level, log_config=uvicorn_log_config())
+    config = uvicorn.Config(
+        create_app(settings, group=group),
+        log_level=log_level,
+        log_config=uvicorn_log_config(),
+        timeout_graceful_shutdown=settings.shutdown_grace_s,
+    )
     uvicorn.Server(config).run(sockets=[sock])
 
 

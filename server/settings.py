@@ -96,6 +96,12 @@ class ServerSettings(BaseSettings):
     processes (those finished on its own wake it at once)."""
     token_stream_expire_s: float = 300.0
     """Seconds a finished message's token stream is kept for resuming readers (then it is served from SQL)."""
+    shutdown_grace_s: int = Field(default=10, ge=0)
+    """Seconds a stopping server process (SIGINT, SIGTERM) waits for its open requests and streams to end
+    before it cuts them. A reader cut this way resumes on another replica or after a restart (its message
+    stays queued or in progress); an OpenAI-style client retries, with its ``Idempotency-Key`` if it sent
+    one. Without a bound, one stream whose reply waits for a worker that is gone would keep the process
+    from stopping."""
     local_drain_timeout_s: float = 30.0
     """``tokentrail serve --model``: seconds the in-process worker has at shutdown to finish the messages in hand
     before they are requeued (the next worker resumes after the streamed tokens)."""

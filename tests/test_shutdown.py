@@ -3,24 +3,29 @@
 - SIGTERM to a worker process: it takes no more work, finishes the message it holds, and exits 0;
   work that arrives afterwards waits in the queue for the next worker.
 - ``tokentrail up`` killed with SIGKILL: its server and worker children exit too (PR_SET_PDEATHSIG).
+- SIGINT to a server holding a stream that cannot end (its reply's worker was killed): the server stops
+  within ``TOKENTRAIL_SHUTDOWN_GRACE_S``, cutting the stream, and the reply stays stored, open.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from server.admin import issue_user_key
 from server.settings import ServerSettings
 from tests.stack import ServerThread, start_reply, wait_for, worker_key
 from tests.test_e2e_embedded import events, login
-from tokentrail.launcher import free_port
+from tokentrail.launcher import answers, free_port, spawn, wait_ready
 
 MODEL = "drainer"
 
@@ -117,3 +122,53 @@ def test_children_of_tokentrail_up_die_with_it_on_sigkill(tmp_path: Path, tiny_m
         for c in children:
             if _alive(c):
                 os.kill(c, signal.SIGKILL)
+
+
+def test_sigint_stops_a_server_whose_stream_cannot_end_within_its_grace(tmp_path: Path, tiny_model_dir: Path) -> None:
+    settings = ServerSettings(data_dir=tmp_path / "data", port=free_port())
+    env = {"TOKENTRAIL_DATA_DIR": str(settings.data_dir), "TOKENTRAIL_SHUTDOWN_GRACE_S": "2"}
+    server = spawn(["serve", "--port", str(settings.port)], output=tmp_path / "server.log", env=env)
+    url = f"http://127.0.0.1:{settings.port}"
+    worker: subprocess.Popen[bytes] | None = None
+    try:
+        wait_ready(lambda: answers(url), {"server": server}, "server", 60, logs=tmp_path)
+        worker = _worker(url, worker_key(settings), tiny_model_dir, tmp_path / "worker.log")
+        wait_for(lambda: _offered(url), 120, "worker")
+        headers = {"Authorization": f"Bearer {issue_user_key(settings, 'reader')}"}
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        lines: list[str] = []
+        ended: list[BaseException | None] = []
+
+        def read() -> None:
+            try:
+                with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=60) as r:
+                    for line in r.iter_lines():
+                        lines.append(line)
+                ended.append(None)
+            except httpx.HTTPError as exc:
+                ended.append(exc)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        wait_for(lambda: len(lines) > 4, 60, "tokens to stream")
+        worker.kill()  # its reply now waits for a worker (the model's grace period): the stream stays open
+        worker.wait()
+        time.sleep(0.5)
+        began = time.monotonic()
+        server.send_signal(signal.SIGINT)
+        code = server.wait(timeout=30)
+        took = time.monotonic() - began
+        assert took < 10, f"the server took {took:.1f}s to stop"
+        assert code == 0, (tmp_path / "server.log").read_text()[-3000:]
+        reader.join(timeout=10)
+        assert ended, "the stream did not end with the server"
+        assert "data: [DONE]" not in lines  # cut, not finished
+        with sqlite3.connect(settings.data_dir / "tokentrail.db") as db:
+            states = [r[0] for r in db.execute("SELECT state FROM messages WHERE role = 'assistant'")]
+        assert states == ["in_progress"] or states == ["pending"], states  # kept, to be resumed
+    finally:
+        for proc in (worker, server):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -34,6 +34,7 @@ import orjson
 from transformers import AutoTokenizer
 
 from shared.protocol import WorkMessage
+from worker.detokenizer import transformers_backend
 
 EncodeMethod = Literal["masked", "escaped"]
 
@@ -260,22 +261,8 @@ class ChatFormat:
     def _rust_encoder(self) -> Any | None:
         """The ``tokenizers.Tokenizer`` that the tokenizer's ``__call__`` encodes with and nothing more
         (no overridden encoding step), else None."""
-        try:
-            from tokenizers import Tokenizer
-            from transformers import PreTrainedTokenizerFast
-            from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-        except ImportError:
-            return None
-        backend = getattr(self.tokenizer, "_tokenizer", None)
-        cls = type(self.tokenizer)
-        if (
-            not isinstance(backend, Tokenizer)
-            or not hasattr(backend, "encode_special_tokens")
-            or getattr(cls, "_encode_plus", None) is not PreTrainedTokenizerFast._encode_plus
-            or cls.__call__ is not PreTrainedTokenizerBase.__call__
-        ):
-            return None
-        return backend
+        backend = transformers_backend(self.tokenizer, fast=("_encode_plus",), base=("__call__",))
+        return backend if hasattr(backend, "encode_special_tokens") else None
 
     def _split_markers(self, text: str) -> list[tuple[str, bool]]:
         if self._marker_re is None or not self._marker_re.search(text):

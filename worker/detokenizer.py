@@ -19,23 +19,35 @@ _REPLACEMENT = "\ufffd"
 _FORCE_BPE_CLEANUP = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
 
 
-def rust_backend(tokenizer: Any) -> Any | None:
-    """The ``tokenizers.Tokenizer`` that ``tokenizer.decode`` is exactly, or None when its decode does
-    more (a clean-up pass, an overridden decode) or it is not a fast tokenizer."""
+def transformers_backend(tokenizer: Any, *, fast: tuple[str, ...], base: tuple[str, ...]) -> Any | None:
+    """A fast tokenizer's ``tokenizers.Tokenizer``, when the tokenizer's class keeps the methods ``fast``
+    of ``PreTrainedTokenizerFast`` and ``base`` of ``PreTrainedTokenizerBase`` as transformers defines
+    them (nothing overridden between those methods and the backend), else None."""
     try:
         from tokenizers import Tokenizer
-        from tokenizers.decoders import DecodeStream  # noqa: F401  (tokenizers >= 0.21)
         from transformers import PreTrainedTokenizerFast
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
     except ImportError:
         return None
     backend = getattr(tokenizer, "_tokenizer", None)
     cls = type(tokenizer)
-    if (
-        not isinstance(backend, Tokenizer)
-        or getattr(cls, "_decode", None) is not PreTrainedTokenizerFast._decode
-        or getattr(cls, "decode", None) is not PreTrainedTokenizerBase.decode
-    ):
+    if not isinstance(backend, Tokenizer):
+        return None
+    for owner, names in ((PreTrainedTokenizerFast, fast), (PreTrainedTokenizerBase, base)):
+        if any(getattr(cls, name, None) is not getattr(owner, name) for name in names):
+            return None
+    return backend
+
+
+def rust_backend(tokenizer: Any) -> Any | None:
+    """The ``tokenizers.Tokenizer`` that ``tokenizer.decode`` is exactly, or None when its decode does
+    more (a clean-up pass, an overridden decode) or it is not a fast tokenizer."""
+    try:
+        from tokenizers.decoders import DecodeStream  # noqa: F401  (tokenizers >= 0.21)
+    except ImportError:
+        return None
+    backend = transformers_backend(tokenizer, fast=("_decode",), base=("decode",))
+    if backend is None:
         return None
     if getattr(tokenizer, "clean_up_tokenization_spaces", False):
         # transformers >= 5 does not clean up BPE output unless forced; older versions always do

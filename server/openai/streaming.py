@@ -74,8 +74,9 @@ async def _interleaved(sources: list[AsyncIterator[bytes]]) -> AsyncIterator[byt
                 await t
 
 
-class Pusher(Protocol):
-    """A stream source that can also write chunks itself, given the response's ``send``."""
+class ChunkWriter(Protocol):
+    """A stream source that can also write chunks itself, given the response's ``send`` (the chat
+    route's push path; ``server.streams.memory.Pusher`` is how it is handed the batches)."""
 
     send: Send | None
 
@@ -116,7 +117,7 @@ class SseStream(StreamingResponse):
     and ``[DONE]`` if they fail. Starlette sends ``body_iterator`` (the chunks wrapped to do that); the
     generation routes' lane sends ``chunks`` itself (``pump``), one generator layer fewer per token."""
 
-    def __init__(self, chunks: AsyncIterator[bytes], metrics: Metrics, pusher: Pusher | None = None) -> None:
+    def __init__(self, chunks: AsyncIterator[bytes], metrics: Metrics, pusher: ChunkWriter | None = None) -> None:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         super().__init__(_counted(chunks, metrics), media_type="text/event-stream", headers=headers)
         self.chunks = chunks
@@ -144,7 +145,7 @@ class SseStream(StreamingResponse):
         await send({"type": "http.response.body", "body": last, "more_body": False})
 
 
-def event_stream(chunks: AsyncIterator[bytes], metrics: Metrics, pusher: Pusher | None = None) -> SseStream:
+def event_stream(chunks: AsyncIterator[bytes], metrics: Metrics, pusher: ChunkWriter | None = None) -> SseStream:
     """Pre-encoded SSE chunks as a response that proxies must not buffer, counted as an SSE reader."""
     return SseStream(chunks, metrics, pusher)
 

@@ -87,7 +87,8 @@ def test_drain_push_then_inflight_push(tmp_path: Path, checkpoints: dict[int, Pa
 
         # drain: replies running at the push finish on version 0; one asked meanwhile runs on 1
         running = [_reply(url, user, 120) for _ in range(3)]
-        _first_token(url, user, *running[0])
+        for reply in running:  # each must be in the engine, not queued, when the push begins
+            _first_token(url, user, *reply)
         answer: dict[str, Any] = {}
         pusher = threading.Thread(target=lambda: answer.update(r=_push(url, admin, checkpoints[1], 1)))
         pusher.start()

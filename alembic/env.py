@@ -10,6 +10,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from alembic import context
+from server.db import POOLERS, postgres_connect_args
 from server.models import Base
 
 config = context.config
@@ -21,6 +22,13 @@ def _url() -> str:
     if not url:
         raise RuntimeError("no database URL: set TOKENTRAIL_DATABASE_URL or use `tokentrail db upgrade`")
     return str(url)
+
+
+def _pooler() -> str:
+    pooler = str(config.attributes.get("db_pooler") or os.environ.get("TOKENTRAIL_DB_POOLER") or "none")
+    if pooler not in POOLERS:
+        raise RuntimeError(f"TOKENTRAIL_DB_POOLER must be one of {', '.join(POOLERS)}, not {pooler!r}")
+    return pooler
 
 
 def _configure(connection: Connection) -> None:
@@ -36,7 +44,10 @@ def run_migrations_offline() -> None:
 
 
 async def _run_online() -> None:
-    engine = create_async_engine(_url(), poolclass=pool.NullPool)
+    url = _url()
+    pooler = _pooler()
+    args = postgres_connect_args("transaction") if pooler == "transaction" and url.startswith("postgres") else {}
+    engine = create_async_engine(url, poolclass=pool.NullPool, connect_args=args)
     async with engine.connect() as conn:
         await conn.run_sync(_configure)
     await engine.dispose()

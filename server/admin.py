@@ -100,8 +100,8 @@ async def open_database(settings: ServerSettings) -> tuple[AsyncEngine, SessionF
     """An engine on the settings' database, migrated first when the settings say so."""
     url = settings.effective_database_url
     if settings.should_migrate_on_start:
-        await asyncio.to_thread(migrate.upgrade, url)
-    engine = create_engine(url)
+        await asyncio.to_thread(migrate.upgrade, url, "head", settings.db_pooler)
+    engine = create_engine(url, pooler=settings.db_pooler)
     return engine, create_session_factory(engine)
 
 

@@ -130,8 +130,10 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         url = settings.effective_database_url
         if settings.should_migrate_on_start:
-            await asyncio.to_thread(migrate.upgrade, url)
-        engine = create_engine(url, pool_size=settings.db_pool_size, max_overflow=settings.db_max_overflow)
+            await asyncio.to_thread(migrate.upgrade, url, "head", settings.db_pooler)
+        engine = create_engine(
+            url, pool_size=settings.db_pool_size, max_overflow=settings.db_max_overflow, pooler=settings.db_pooler
+        )
         sessions = create_session_factory(engine)
         sql = HotSql.for_engine(engine)
         redis = None

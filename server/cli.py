@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from server.settings import ServerSettings
 from shared.logs import configure_logging, uvicorn_log_config
@@ -54,7 +54,15 @@ LogFormat = Annotated[str, typer.Option(help="text, or json: one JSON object per
 
 
 def _settings(**overrides: object) -> ServerSettings:
-    return ServerSettings(**{k: v for k, v in overrides.items() if v is not None})  # type: ignore[arg-type]
+    try:
+        return ServerSettings(**{k: v for k, v in overrides.items() if v is not None})  # type: ignore[arg-type]
+    except ValidationError as exc:  # a bad TOKENTRAIL_* variable: say which, not a traceback
+        raise typer.BadParameter("; ".join(_setting_problem(e) for e in exc.errors())) from exc
+
+
+def _setting_problem(error: Any) -> str:
+    where = "TOKENTRAIL_" + "_".join(str(part) for part in error["loc"]).upper() if error["loc"] else "the settings"
+    return f"{where}: {error['msg']} (got {error['input']!r})" if error["loc"] else f"{where}: {error['msg']}"
 
 
 def server_settings(**overrides: object) -> ServerSettings:
@@ -100,7 +108,7 @@ def db_upgrade(database_url: DatabaseUrl = None, data_dir: DataDir = None) -> No
     from server import migrate
 
     settings = _settings(database_url=database_url, data_dir=data_dir)
-    migrate.upgrade(settings.effective_database_url)
+    migrate.upgrade(settings.effective_database_url, pooler=settings.db_pooler)
     typer.echo(f"database at head: {settings.effective_database_url}")
 
 

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+from uuid import uuid4
 
 from sqlalchemy import event, text
 from sqlalchemy.engine.url import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
 SessionFactory = async_sessionmaker[AsyncSession]
+
+Pooler = Literal["none", "transaction"]
+"""What stands between tokentrail and PostgreSQL: ``none`` (the server itself, or a session-mode pooler),
+or ``transaction``: a pooler that hands each transaction a server connection of its own (PgBouncer's
+``pool_mode = transaction``, pgcat, Supavisor), on which a statement prepared in one transaction may be
+gone, or belong to another client, in the next."""
+POOLERS: tuple[Pooler, ...] = ("none", "transaction")
+_POOLER_OPTION = "tokentrail_pooler"  # the engine's execution option that records it (``pooler_of``)
 
 # Every SQLite connection's settings: a locked database is waited for (30 s) rather than failing at once,
 # first, so that it covers the others (connections opened at the same moment, as an export's workers are,
@@ -25,12 +34,14 @@ def ensure_sqlite_dir(url: str) -> None:
         Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
 
 
-def create_engine(url: str, *, inline: bool = True, pool_size: int = 32, max_overflow: int = 8) -> AsyncEngine:
+def create_engine(
+    url: str, *, inline: bool = True, pool_size: int = 32, max_overflow: int = 8, pooler: Pooler = "none"
+) -> AsyncEngine:
     """The engine of ``url``. SQLite runs its statements in the calling thread (``server/sqlite_inline.py``)
     unless ``inline`` is off: long reads (an export through the API) take aiosqlite's worker thread so
     that the event loop keeps serving meanwhile. PostgreSQL keeps ``pool_size`` connections open: a
     burst past it opens (and afterwards closes) up to ``max_overflow`` more, each a new backend, which
-    under load cost more than the statements they ran."""
+    under load cost more than the statements they ran. ``pooler``: see ``Pooler``."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         ensure_sqlite_dir(url)
@@ -49,7 +60,34 @@ def create_engine(url: str, *, inline: bool = True, pool_size: int = 32, max_ove
             cur.close()
 
         return engine
-    return create_async_engine(url, pool_size=pool_size, max_overflow=max_overflow, pool_pre_ping=True)
+    return create_async_engine(
+        url,
+        pool_size=pool_size,
+        max_overflow=max_overflow,
+        pool_pre_ping=True,
+        connect_args=postgres_connect_args(pooler),
+        execution_options={_POOLER_OPTION: pooler},
+    )
+
+
+def postgres_connect_args(pooler: Pooler) -> dict[str, Any]:
+    """SQLAlchemy's asyncpg ``connect_args`` for ``pooler``. Behind a transaction pooler no statement is
+    kept prepared between transactions (asyncpg's cache and SQLAlchemy's off), and the statements
+    prepared within one are named uniquely: asyncpg's own names count up per client connection, so two
+    clients sharing a server connection would prepare the same name twice."""
+    if pooler == "none":
+        return {}
+    return {"statement_cache_size": 0, "prepared_statement_cache_size": 0, "prepared_statement_name_func": _unique_name}
+
+
+def _unique_name() -> str:
+    return f"__tokentrail_{uuid4().hex}__"
+
+
+def pooler_of(engine: AsyncEngine) -> Pooler:
+    """The ``pooler`` that ``engine`` was made for (``none`` for one not made by ``create_engine``)."""
+    pooler = engine.get_execution_options().get(_POOLER_OPTION, "none")
+    return "transaction" if pooler == "transaction" else "none"
 
 
 def is_sqlite(url: str) -> bool:

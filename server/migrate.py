@@ -7,12 +7,12 @@ from pathlib import Path
 from alembic.config import Config
 
 from alembic import command
-from server.db import ensure_sqlite_dir
+from server.db import Pooler, ensure_sqlite_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def alembic_config(database_url: str) -> Config:
+def alembic_config(database_url: str, pooler: Pooler = "none") -> Config:
     ini = ROOT / "alembic.ini"
     if not ini.exists():
         raise RuntimeError(
@@ -21,13 +21,14 @@ def alembic_config(database_url: str) -> Config:
     cfg = Config(str(ini))
     cfg.set_main_option("script_location", str(ROOT / "alembic"))
     cfg.attributes["database_url"] = database_url
+    cfg.attributes["db_pooler"] = pooler
     return cfg
 
 
-def upgrade(database_url: str, revision: str = "head") -> None:
+def upgrade(database_url: str, revision: str = "head", pooler: Pooler = "none") -> None:
     """Blocking: run it in a thread from async code (env.py runs its own event loop)."""
     ensure_sqlite_dir(database_url)
-    command.upgrade(alembic_config(database_url), revision)
+    command.upgrade(alembic_config(database_url, pooler), revision)
 
 
 def current_heads() -> set[str]:

@@ -94,7 +94,7 @@ def run_processes(settings: ServerSettings, processes: int, log_level: str, log_
     check(settings, processes)
     configure_logging(log_level, log_format)
     if settings.should_migrate_on_start:
-        migrate.upgrade(settings.effective_database_url)
+        migrate.upgrade(settings.effective_database_url, pooler=settings.db_pooler)
     # every process signs and checks tokens with the same secret, and none migrates again
     shared = settings.model_copy(update={"migrate_on_start": False, "auth_secret": settings.resolved_auth_secret()})
     ctx = multiprocessing.get_context("spawn")

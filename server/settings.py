@@ -31,6 +31,9 @@ class ServerSettings(BaseSettings):
     """PostgreSQL connections a server process keeps open. Size max_connections above replicas x (pool + overflow)."""
     db_max_overflow: int = Field(default=8, ge=0)
     """PostgreSQL connections opened beyond the pool under a burst (closed again after use)."""
+    db_pooler: Literal["none", "transaction"] = "none"
+    """What database_url points at: PostgreSQL itself or a session-mode pooler (none), or a pooler in transaction
+    mode such as PgBouncer's pool_mode = transaction (transaction: no statement stays prepared between transactions)."""
     redis_url: str | None = None
     """Redis URL: the work queue, token streams and rate limits shared by every server process; unset: in-process
     queue and token fan-out (one server process)."""

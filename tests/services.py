@@ -291,6 +291,57 @@ def postgres_service() -> Iterator[str]:
         yield url
 
 
+@contextmanager
+def pgbouncer_service(postgres_url: str, *, server_connections: int = 2) -> Iterator[str]:
+    """A private PgBouncer in transaction pooling mode on a free port, in front of a fresh database of the
+    cluster of ``postgres_url``; yields the URL through it. Its few server connections
+    (``server_connections``) are shared by every client connection, one transaction at a time, as in
+    production. ServiceUnavailable where pgbouncer is not installed."""
+    binary = shutil.which("pgbouncer") or next(iter(glob.glob("/usr/sbin/pgbouncer")), None)
+    if binary is None:
+        raise ServiceUnavailable("pgbouncer is not installed (apt-get install pgbouncer)")
+    from sqlalchemy.engine.url import make_url
+
+    target = make_url(postgres_url)
+    host, port = target.host or "127.0.0.1", target.port or 5432
+    workdir = Path(tempfile.mkdtemp(prefix="tt-pgbouncer-"))
+    listen = free_port()
+    (workdir / "users.txt").write_text(f'"{target.username or "postgres"}" ""\n')
+    (workdir / "pgbouncer.ini").write_text(
+        "[databases]\n"
+        f"* = host={host} port={port}\n"
+        "[pgbouncer]\n"
+        f"listen_addr = 127.0.0.1\nlisten_port = {listen}\nunix_socket_dir =\n"
+        f"auth_type = trust\nauth_file = {workdir}/users.txt\n"
+        f"pool_mode = transaction\ndefault_pool_size = {server_connections}\nmax_client_conn = 1000\n"
+        "ignore_startup_parameters = extra_float_digits,options\n"
+        f"logfile = {workdir}/pgbouncer.log\n"
+    )
+    if os.geteuid() == 0:  # pgbouncer refuses to run as root
+        for path in (workdir, *workdir.iterdir()):
+            shutil.chown(path, "postgres", "postgres")
+    proc = subprocess.Popen(
+        _as_postgres_user([binary, str(workdir / "pgbouncer.ini")]),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while not _port_open(listen):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log = workdir / "pgbouncer.log"
+                raise ServiceUnavailable(f"pgbouncer did not start: {log.read_text() if log.exists() else ''}")
+            time.sleep(0.05)
+        with _fresh_database(port) as url:
+            yield make_url(url).set(port=listen).render_as_string(hide_password=False)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 class RestartablePostgres:
     """A private PostgreSQL cluster that can be SIGKILLed and started again on the same port (crash
     recovery, then the same data): what a database restart looks like to the server. Its postmaster

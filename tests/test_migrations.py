@@ -77,3 +77,24 @@ def test_cli_db_upgrade(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["db", "upgrade", "--data-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "tokentrail.db").exists()
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "says"),
+    [
+        ("TOKENTRAIL_DB_POOLER", "bogus", "DB_POOLER: Input should be 'none' or 'transaction' (got 'bogus')"),
+        ("TOKENTRAIL_DB_POOL_SIZE", "0", "TOKENTRAIL_DB_POOL_SIZE: Input should be greater than or equal to 1"),
+    ],
+)
+def test_a_bad_setting_is_named_with_its_variable_and_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variable: str, value: str, says: str
+) -> None:
+    from typer.testing import CliRunner
+
+    from tokentrail.cli import app
+
+    monkeypatch.setenv(variable, value)
+    result = CliRunner().invoke(app, ["db", "upgrade", "--data-dir", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert says in " ".join(result.output.replace("│", " ").split()), result.output  # (the box wraps lines)
+    assert not (tmp_path / "tokentrail.db").exists()

@@ -92,7 +92,7 @@ async def export(
                     yield orjson.dumps(adapt_pair(pair, schema)) + b"\n"
                 return
             # the rollouts: what tokentrail export writes, by its page path (connections of its own)
-            compiler = engine if engine is not None else create_engine(url)
+            compiler = engine if engine is not None else create_engine(url, pooler=state.settings.db_pooler)
             try:
                 async for text in export_lines(compiler, sessions, filters, schema):
                     yield text

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import orjson
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from server.db import SQLITE_PRAGMAS
+from server.db import SQLITE_PRAGMAS, pooler_of
 from server.export.query import (
     M_CHAT,
     M_ID,
@@ -57,6 +57,7 @@ class PageQueries:
     statements: dict[str, _Statement]
     connect_args: tuple[list[Any], dict[str, Any]]  # the driver's connect(*args, **kwargs)
     decoders: Decoders
+    pooled: bool = False  # PostgreSQL behind a transaction pooler: no statement stays prepared (server.db.Pooler)
 
 
 def page_queries(engine: AsyncEngine, filters: ExportFilters) -> PageQueries:
@@ -70,7 +71,10 @@ def page_queries(engine: AsyncEngine, filters: ExportFilters) -> PageQueries:
     args, kwargs = dialect.create_connect_args(engine.url)
     for key in ("async_creator_fn", "prepared_statement_cache_size", "prepared_statement_name_func"):
         kwargs.pop(key, None)  # SQLAlchemy's own options of its asyncpg adapter
-    return PageQueries(postgres, statements, (list(args), dict(kwargs)), decoders(dialect))
+    pooled = postgres and pooler_of(engine) == "transaction"
+    if pooled:
+        kwargs["statement_cache_size"] = 0  # asyncpg's: each statement parsed where it runs
+    return PageQueries(postgres, statements, (list(args), dict(kwargs)), decoders(dialect), pooled)
 
 
 class Connection(Protocol):
@@ -140,7 +144,9 @@ class _PostgresWire:
 async def connect(queries: PageQueries, *, blocking: bool = False) -> Connection:
     """A connection for the page statements. ``blocking``: the caller's thread may wait on each read
     (an export's own process, not a server's event loop): PostgreSQL's rows are then read by the
-    compiled reader where it takes the connection and every statement (``pg_wire``), else by asyncpg."""
+    compiled reader where it takes the connection and every statement (``pg_wire``), else by asyncpg.
+    Behind a transaction pooler always by asyncpg: the compiled reader keeps its statements prepared by
+    name, and the pooler may hand the next statement another server connection."""
     if not queries.postgres:
         return _Sqlite(queries)
     import asyncpg  # type: ignore[import-untyped]
@@ -149,7 +155,7 @@ async def connect(queries: PageQueries, *, blocking: bool = False) -> Connection
 
     args, kwargs = queries.connect_args
     conn = await asyncpg.connect(*args, **kwargs)
-    wire = PgWire.take(conn) if blocking else None
+    wire = PgWire.take(conn) if blocking and not queries.pooled else None
     if wire is None:
         return _Postgres(conn)
     try:

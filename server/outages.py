@@ -14,7 +14,8 @@ The database is unavailable when:
   shutdown, 57P03 cannot connect now ("the database system is starting up" / "not yet accepting
   connections": crash recovery), 53300 too many connections, 25006 read-only transaction (a standby
   during failover). asyncpg raises the connect-time ones bare, SQLAlchemy wraps the others: the
-  whole cause chain is searched;
+  whole cause chain is searched. A pooler in front says so in class 08 too (PgBouncer's
+  ``query_wait_timeout`` and ``server_login_retry`` are 08P01, and it closes the client's connection);
 - SQLite is locked or busy, and any other ``OperationalError`` (the driver's "operational" class).
 Redis is unavailable on its connection and timeout errors (loading, restarting, failing over).
 """

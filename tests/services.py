@@ -315,6 +315,9 @@ def pgbouncer_service(postgres_url: str, *, server_connections: int = 2) -> Iter
         f"auth_type = trust\nauth_file = {workdir}/users.txt\n"
         f"pool_mode = transaction\ndefault_pool_size = {server_connections}\nmax_client_conn = 1000\n"
         "ignore_startup_parameters = extra_float_digits,options\n"
+        # production advice (docs/production.md): a query waits at most 5 s for a server connection, and a
+        # failed login to PostgreSQL is retried after 1 s, not 15
+        "query_wait_timeout = 5\nserver_login_retry = 1\n"
         f"logfile = {workdir}/pgbouncer.log\n"
     )
     if os.geteuid() == 0:  # pgbouncer refuses to run as root

@@ -1,7 +1,8 @@
 """PostgreSQL behind a transaction pooler: a real PgBouncer (``pool_mode = transaction``, two server
 connections shared by every client connection) in front of a fresh database, the migrations, a server and
 an hf worker, concurrent OpenAI agent turns and Open-Assistant replies, and the export (its own worker
-processes, and through the API), all through the pooler with ``db_pooler = transaction``."""
+processes, and through the API), all through the pooler with ``db_pooler = transaction``; and PostgreSQL
+killed and started again behind it."""
 
 from __future__ import annotations
 
@@ -27,7 +28,10 @@ from server.export.run import run_export
 from server.settings import ServerSettings
 from tests import services
 from tests.conftest import _enter_or_skip
+from tests.services import RestartablePostgres
 from tests.stack import MODEL, ServerThread, WorkerThread, start_reply, wait_for, worker_key
+from tests.test_limits import MODEL as IDLE_MODEL
+from tests.test_limits import IdleWorker
 from tokentrail.launcher import free_port, spawn
 from worker.chat_format import ChatFormat
 from worker.engines.hf import HFEngine
@@ -158,3 +162,47 @@ def test_chats_and_exports_through_a_transaction_pooler(
     finally:
         worker.stop()
         server.stop()
+
+
+def test_a_postgres_restart_behind_the_pooler_is_503_then_served(tmp_path: Path) -> None:
+    """PostgreSQL SIGKILLed behind the pooler and started again: every answer meanwhile is 503 with
+    Retry-After (the pooler's own errors are an outage, not a bug), and the server serves again after.
+    The pooler is set as docs/production.md advises (``query_wait_timeout``, ``server_login_retry``)."""
+    try:
+        pg = RestartablePostgres().start()
+    except services.ServiceUnavailable as exc:
+        pytest.skip(str(exc))
+    with ExitStack() as stack:
+        stack.callback(pg.stop)
+        pooled = _enter_or_skip(stack, services.pgbouncer_service(pg.url))
+        migrate.upgrade(pooled, pooler="transaction")
+        settings = ServerSettings(data_dir=tmp_path, port=free_port(), database_url=pooled, db_pooler="transaction")
+        server = ServerThread(settings).start()
+        stack.callback(server.stop)
+        user = {"Authorization": f"Bearer {issue_user_key(settings, 'player')}"}
+        idle = IdleWorker(server.url, worker_key(settings)).start()  # its model is offered: requests reach SQL
+        stack.callback(idle.stop)
+        body = {"model": IDLE_MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        assert httpx.post(f"{server.url}/chats", json={}, headers=user).status_code == 200
+        pg.kill()
+        statuses: list[int] = []
+        for _ in range(3):
+            for call, openai in (
+                (lambda: httpx.get(f"{server.url}/chats", headers=user, timeout=30), False),
+                (lambda: httpx.post(f"{server.url}/chats", json={}, headers=user, timeout=30), False),
+                (lambda: httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=user, timeout=30), True),
+            ):
+                resp = call()
+                statuses.append(resp.status_code)
+                assert resp.status_code == 503 and int(resp.headers["Retry-After"]) >= 1, resp.text
+                assert (resp.json()["error"]["code"] if openai else resp.json()["code"]) == "not_ready"
+        pg.start()
+
+        def served() -> bool:
+            resp = httpx.get(f"{server.url}/chats", headers=user, timeout=30)
+            statuses.append(resp.status_code)
+            return resp.status_code == 200
+
+        wait_for(served, 90, "the server serving again")
+        assert set(statuses) <= {200, 503}, statuses
+        assert len(httpx.get(f"{server.url}/chats", headers=user).json()["chats"]) == 1  # made before: kept

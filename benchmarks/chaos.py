@@ -180,6 +180,7 @@ def cluster(
     connect: str = "all",
     with_redis: bool = True,
     processes: int = 1,
+    pooler: str = "none",
 ) -> Iterator[Cluster]:
     """``connect``: ``all`` (each worker gets every replica's URL, its own first) or ``one`` (worker i
     only replica i % replicas). Without Redis: embedded defaults (one replica, its queue in-process).
@@ -195,6 +196,7 @@ def cluster(
             "TOKENTRAIL_ALLOW_DEBUG_AUTH": "true",
             "TOKENTRAIL_RATE_LIMIT_PER_MINUTE": "0",
             "TOKENTRAIL_DATA_DIR": str(work),
+            "TOKENTRAIL_DB_POOLER": pooler,
         }
         py = [sys.executable, "-m", "tokentrail"]
         run_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
@@ -561,8 +563,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     schedule = parse_schedule(args.schedule, args.workers, args.replicas)
     idempotent = not args.no_idempotency
     sqlite = args.store == "sqlite"
-    if sqlite and (args.replicas != 1 or args.pg_kills or (schedule and "redis" in schedule)):
-        raise SystemExit("--store sqlite is embedded defaults: --replicas 1 --pg-kills 0, and no Redis to kill")
+    if sqlite and (args.replicas != 1 or args.pg_kills or args.pooler != "none" or (schedule and "redis" in schedule)):
+        raise SystemExit(
+            "--store sqlite is embedded defaults: --replicas 1 --pg-kills 0, no --pooler, and no Redis to kill"
+        )
     with (
         tempfile.TemporaryDirectory(prefix="tt-chaos-") as tmp,
         contextlib.nullcontext((f"sqlite+aiosqlite:///{tmp}/tokentrail.db", None))
@@ -578,6 +582,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             args.connect,
             with_redis=not sqlite,
             processes=args.processes,
+            pooler="transaction" if args.pooler == "pgbouncer" else "none",
         ) as c,
     ):
         tally = Tally()
@@ -642,7 +647,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 if mid in tally.finished and msg["state"] == "complete" and [seen[i] for i in sorted(seen)] != stored:
                     mismatched += 1
             openai = await chaos_postgres.verify(users[:n_ai], otally)
-            audit = await chaos_postgres.audit(database, [u.name for u in users], tally.received)
+            pooler = "transaction" if args.pooler == "pgbouncer" else "none"
+            audit = await chaos_postgres.audit(database, [u.name for u in users], tally.received, pooler)
             rolling = tally.gaps.report(tally.last_token_at)
     single = [(k, m, g) for k, m, g, at in tally.kill_gaps if not tally.double_fault(k, at, g)]
     double = [g for k, _, g, at in tally.kill_gaps if tally.double_fault(k, at, g)]

@@ -39,6 +39,7 @@ import httpx
 from benchmarks.progress import say
 
 if TYPE_CHECKING:
+    from server.db import Pooler
     from tests.services import RestartablePostgres
 
 
@@ -68,23 +69,33 @@ IDEMPOTENCY_FAILURES = ("generations_no_client_received", "duplicate_messages")
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--pg-kills", type=int, default=2, help="PostgreSQL SIGKILLs and restarts (0: none)")
     ap.add_argument("--pg-down", default="15,5", help="seconds PostgreSQL stays down, per kill (cycled)")
+    ap.add_argument(
+        "--pooler",
+        choices=("none", "pgbouncer"),
+        default="none",
+        help="pgbouncer: every server process reaches PostgreSQL through a private PgBouncer in transaction "
+        "mode (TOKENTRAIL_DB_POOLER=transaction)",
+    )
     ap.add_argument("--openai-share", type=float, default=0.5, help="share of users on streamed chat completions")
 
 
 @contextlib.contextmanager
 def database(args: argparse.Namespace) -> Iterator[tuple[str, RestartablePostgres | None]]:
-    """The database URL of the run, and the private PostgreSQL to kill (None without the fault)."""
+    """The database URL of the run, and the private PostgreSQL to kill (None without the fault); with
+    ``--pooler pgbouncer`` the URL is a PgBouncer's in front of it."""
     from tests import services
 
-    if args.pg_kills <= 0:
-        with services.postgres_service() as url:
-            yield url, None
-        return
-    pg = services.RestartablePostgres().start()
-    try:
-        yield pg.url, pg
-    finally:
-        pg.stop()
+    with contextlib.ExitStack() as stack:
+        pg = None
+        if args.pg_kills <= 0:
+            url = stack.enter_context(services.postgres_service())
+        else:
+            pg = services.RestartablePostgres().start()
+            stack.callback(pg.stop)
+            url = pg.url
+        if args.pooler == "pgbouncer":
+            url = stack.enter_context(services.pgbouncer_service(url))
+        yield url, pg
 
 
 # ---- the fault -------------------------------------------------------------------------------------
@@ -402,12 +413,13 @@ def serving_summary(restarts: list[Restart]) -> dict[str, Any]:
     }
 
 
-async def audit(database: str, users: Sequence[str], received: set[str]) -> dict[str, Any]:
+async def audit(database: str, users: Sequence[str], received: set[str], pooler: Pooler = "none") -> dict[str, Any]:
     """The users' chats in SQL against ``received`` (every chat and message id a client was given)."""
     from sqlalchemy import bindparam, text
-    from sqlalchemy.ext.asyncio import create_async_engine
 
-    engine = create_async_engine(database)
+    from server.db import create_engine
+
+    engine = create_engine(database, pooler=pooler)
     query = text(
         "SELECT c.id, m.id, m.parent_id, m.role, m.state FROM chats c LEFT JOIN messages m ON m.chat_id = c.id "
         "WHERE c.user_id IN :users"

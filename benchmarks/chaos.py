@@ -84,9 +84,12 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
+
+if TYPE_CHECKING:
+    from server.db import Pooler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -180,7 +183,7 @@ def cluster(
     connect: str = "all",
     with_redis: bool = True,
     processes: int = 1,
-    pooler: str = "none",
+    pooler: Pooler = "none",
 ) -> Iterator[Cluster]:
     """``connect``: ``all`` (each worker gets every replica's URL, its own first) or ``one`` (worker i
     only replica i % replicas). Without Redis: embedded defaults (one replica, its queue in-process).
@@ -563,6 +566,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     schedule = parse_schedule(args.schedule, args.workers, args.replicas)
     idempotent = not args.no_idempotency
     sqlite = args.store == "sqlite"
+    pooler: Pooler = "transaction" if args.pooler == "pgbouncer" else "none"
     if sqlite and (args.replicas != 1 or args.pg_kills or args.pooler != "none" or (schedule and "redis" in schedule)):
         raise SystemExit(
             "--store sqlite is embedded defaults: --replicas 1 --pg-kills 0, no --pooler, and no Redis to kill"
@@ -582,7 +586,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             args.connect,
             with_redis=not sqlite,
             processes=args.processes,
-            pooler="transaction" if args.pooler == "pgbouncer" else "none",
+            pooler=pooler,
         ) as c,
     ):
         tally = Tally()
@@ -647,7 +651,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 if mid in tally.finished and msg["state"] == "complete" and [seen[i] for i in sorted(seen)] != stored:
                     mismatched += 1
             openai = await chaos_postgres.verify(users[:n_ai], otally)
-            pooler = "transaction" if args.pooler == "pgbouncer" else "none"
             audit = await chaos_postgres.audit(database, [u.name for u in users], tally.received, pooler)
             rolling = tally.gaps.report(tally.last_token_at)
     single = [(k, m, g) for k, m, g, at in tally.kill_gaps if not tally.double_fault(k, at, g)]

@@ -18,6 +18,8 @@ Arms (each a fresh process tree, started after the previous one stopped):
 - ``one-process``: the same defaults, one ``tokentrail serve --model`` process (the worker inside the
   server's process, no websocket between them; its CPU is reported as the server's);
 - ``redis``: the same on PostgreSQL + Redis (a fresh database, dropped afterwards);
+- ``pgbouncer``: ``redis`` with the database reached through a private PgBouncer in transaction mode
+  (``TOKENTRAIL_DB_POOLER=transaction``); its CPU counts with PostgreSQL's;
 - ``vllm-serve`` (``--engine vllm``): ``vllm serve`` on the same model, driven with the same OpenAI
   request bodies as tokentrail's ``openai`` front door (plus ``return_token_ids``), with prompt-token
   details on so that prefix-cache hits compare.
@@ -89,7 +91,16 @@ from benchmarks.pipeline.stack import (
 from benchmarks.pipeline.synthetic import DEFAULT_STEP_MS, STEP_MS_ENV
 from benchmarks.progress import say
 
-ARMS = ("engine", "embedded", "one-process", "redis", "vllm-serve", "embedded-synthetic", "one-process-synthetic")
+ARMS = (
+    "engine",
+    "embedded",
+    "one-process",
+    "redis",
+    "pgbouncer",
+    "vllm-serve",
+    "embedded-synthetic",
+    "one-process-synthetic",
+)
 APIS = ("oa", "openai")
 
 
@@ -202,10 +213,11 @@ def _run_arm(
             return asyncio.run(
                 drive_tokentrail(arm, stack.url, stack.user_key, meter, apis, loads, levels, args.duration)
             )
-    if arm in ("embedded", "redis"):
-        say(f"tokentrail {'embedded' if arm == 'embedded' else 'on PostgreSQL + Redis'} ({args.engine})...")
+    if arm in ("embedded", "redis", "pgbouncer"):
+        what = {"embedded": "embedded", "redis": "on PostgreSQL + Redis", "pgbouncer": "on PgBouncer + Redis"}[arm]
+        say(f"tokentrail {what} ({args.engine})...")
         services: contextlib.AbstractContextManager[dict[str, str]] = (
-            postgres_and_redis() if arm == "redis" else contextlib.nullcontext({})
+            contextlib.nullcontext({}) if arm == "embedded" else postgres_and_redis(pooler=arm == "pgbouncer")
         )
         with (
             services as env,
@@ -214,7 +226,7 @@ def _run_arm(
             roles = [Role("server", stack.pids["server"]), Role("worker", stack.pids["worker"], "engine_core")]
             meter = CpuMeter(
                 roles,
-                services=arm == "redis",
+                services=arm != "embedded",
                 client=True,
                 profiler=profiler,
                 metrics_url=f"{stack.url}/metrics",

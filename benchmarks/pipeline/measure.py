@@ -264,7 +264,7 @@ class CpuMeter:
                 below = _descendants(children, role.pid)
                 out[role.children] = out.get(role.children, 0.0) + sum(times.get(p, 0.0) for p in below)
         if self.services:
-            out["postgres"] = sum(t for p, t in times.items() if names.get(p, "").startswith("postgres"))
+            out["postgres"] = sum(t for p, t in times.items() if names.get(p, "").startswith(("postgres", "pgbouncer")))
             out["redis"] = sum(t for p, t in times.items() if names.get(p, "").startswith("redis-server"))
         return out
 

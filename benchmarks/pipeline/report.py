@@ -9,7 +9,15 @@ from typing import Any
 
 from benchmarks.pipeline.measure import Point, summary
 
-TOKENTRAIL_ARMS = ("embedded", "one-process", "redis", "synthetic", "embedded-synthetic", "one-process-synthetic")
+TOKENTRAIL_ARMS = (
+    "embedded",
+    "one-process",
+    "redis",
+    "pgbouncer",
+    "synthetic",
+    "embedded-synthetic",
+    "one-process-synthetic",
+)
 CPU_KEYS = ("server", "worker", "engine_core", "vllm_api", "engine", "client")
 
 Key = tuple[str, str, str, int]  # workload, stop, api, concurrency
@@ -71,10 +79,14 @@ def ratios(points: Sequence[Point]) -> list[dict[str, Any]]:
                 row["server_plus_worker_cpu_x_vllm_api_cpu"] = _ratio(
                     s["server_cpu_ms_per_token"] + s.get("worker_cpu_ms_per_token", 0.0), api_cpu
                 )
-        if arm in ("redis", "one-process"):
+        if arm in ("redis", "pgbouncer", "one-process"):
             embedded = by.get(("embedded", key))
             if embedded and embedded["tokens_per_s"]:
                 row["x_embedded"] = _ratio(s["tokens_per_s"], embedded["tokens_per_s"])
+        if arm == "pgbouncer":  # what the pooler costs: the same stack straight to PostgreSQL
+            direct = by.get(("redis", key))
+            if direct and direct["tokens_per_s"]:
+                row["x_redis"] = _ratio(s["tokens_per_s"], direct["tokens_per_s"])
         if arm == "synthetic":  # the ceiling: against another commit measured in the same run (--against)
             for (other, other_key), o in by.items():
                 if other.startswith("at-") and other_key == key and o["tokens_per_s"]:

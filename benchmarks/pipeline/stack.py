@@ -156,16 +156,25 @@ def _issue_keys() -> tuple[str, str]:
     return str(worker_key), str(user_key)
 
 
+POOLED_SERVER_CONNECTIONS = 16  # PgBouncer's server connections in the pgbouncer arm
+
+
 @contextlib.contextmanager
-def postgres_and_redis() -> Iterator[dict[str, str]]:
-    """A fresh PostgreSQL database (dropped afterwards) and a Redis database of its own."""
+def postgres_and_redis(pooler: bool = False) -> Iterator[dict[str, str]]:
+    """A fresh PostgreSQL database (dropped afterwards) and a Redis database of its own; ``pooler``: the
+    database reached through a private PgBouncer in transaction mode."""
     from tests import services
 
-    with services.postgres_service() as pg, services.redis_service() as rd:
+    with contextlib.ExitStack() as stack:
+        pg = stack.enter_context(services.postgres_service())
+        rd = stack.enter_context(services.redis_service())
+        if pooler:
+            pg = stack.enter_context(services.pgbouncer_service(pg, server_connections=POOLED_SERVER_CONNECTIONS))
         yield {
             "TOKENTRAIL_DATABASE_URL": pg,
             "TOKENTRAIL_REDIS_URL": rd,
             "TOKENTRAIL_AUTH_SECRET": "pipeline-benchmark-secret-0123456789",
+            "TOKENTRAIL_DB_POOLER": "transaction" if pooler else "none",
         }
 
 

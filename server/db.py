@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Literal
-from uuid import uuid4
 
 from sqlalchemy import event, text
 from sqlalchemy.engine.url import make_url
@@ -72,16 +71,19 @@ def create_engine(
 
 def postgres_connect_args(pooler: Pooler) -> dict[str, Any]:
     """SQLAlchemy's asyncpg ``connect_args`` for ``pooler``. Behind a transaction pooler no statement is
-    kept prepared between transactions (asyncpg's cache and SQLAlchemy's off), and the statements
-    prepared within one are named uniquely: asyncpg's own names count up per client connection, so two
-    clients sharing a server connection would prepare the same name twice."""
+    kept prepared between transactions (asyncpg's cache and SQLAlchemy's off), and each is prepared as
+    PostgreSQL's unnamed statement, which the next one replaces. Named ones fail or leak there: asyncpg
+    counts its names from 1 per client connection, so two clients sharing a server connection prepare
+    the same name twice; unique names collide nowhere, but asyncpg closes a statement it no longer uses
+    on whatever server connection its next transaction gets, so some stay prepared where they were made
+    for as long as the pooler keeps that connection (``tests/test_pgbouncer.py`` counts them)."""
     if pooler == "none":
         return {}
-    return {"statement_cache_size": 0, "prepared_statement_cache_size": 0, "prepared_statement_name_func": _unique_name}
+    return {"statement_cache_size": 0, "prepared_statement_cache_size": 0, "prepared_statement_name_func": _unnamed}
 
 
-def _unique_name() -> str:
-    return f"__tokentrail_{uuid4().hex}__"
+def _unnamed() -> str:
+    return ""  # asyncpg prepares a statement given the name "" as the unnamed statement
 
 
 def pooler_of(engine: AsyncEngine) -> Pooler:

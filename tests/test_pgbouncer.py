@@ -94,6 +94,27 @@ def _count(url: str, sql: str) -> int:
     return asyncio.run(go())
 
 
+def _prepared_per_server_connection(url: str, connections: int = 2) -> list[int]:
+    """The statements left prepared on each of the pooler's server connections: one open transaction per
+    server connection holds them all at once, each asking its own session."""
+    import asyncpg  # type: ignore[import-untyped]
+
+    async def go() -> list[int]:
+        dsn = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+        clients = [await asyncpg.connect(dsn, statement_cache_size=0) for _ in range(connections)]
+        try:
+            for c in clients:
+                await c.execute("BEGIN")
+            pids = [await c.fetchval("SELECT pg_backend_pid()") for c in clients]
+            assert len(set(pids)) == connections, pids  # each client holds a server connection of its own
+            return [int(await c.fetchval("SELECT count(*) FROM pg_prepared_statements")) for c in clients]
+        finally:
+            for c in clients:
+                await c.close()
+
+    return asyncio.run(go())
+
+
 def test_chats_and_exports_through_a_transaction_pooler(
     pooled_url: str, postgres_url: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -123,6 +144,7 @@ def test_chats_and_exports_through_a_transaction_pooler(
 
         wait_for(finished, 120, "the Open-Assistant replies")
         chats = loops + len(oa)
+        assert _prepared_per_server_connection(pooled_url) == [0, 0]  # nothing left behind by the server
         assert _count(pooled_url, "SELECT count(*) FROM chats") == chats
         assert _count(pooled_url, "SELECT count(*) FROM messages WHERE state = 'complete'") == loops * turns + len(oa)
 

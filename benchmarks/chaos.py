@@ -681,6 +681,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "refused": dict(tally.refused),
         **engines.report(),
         "kill_to_next_token_s": _gap_stats(gaps),
+        "kill_to_next_token_by_victim_s": {
+            kind: _gap_stats([g for k, _, g in single if k == kind]) for kind in sorted({k for k, _, _ in single})
+        },
         "kills_during_db_outage": sum(tally.during_db_outage(kind, at) for at, kind, _ in tally.pending_kills),
         "kill_during_db_outage_to_next_token_s": _gap_stats(double),
         "interrupted_kill_to_next_token_s": _gap_stats([g for _, g in hit]),

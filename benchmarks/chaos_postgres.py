@@ -61,7 +61,6 @@ class Chatter(Protocol):
     def count_5xx(self, resp: httpx.Response, route: str) -> None: ...
 
 
-POOLED_SERVER_CONNECTIONS = 16  # PgBouncer's server connections with --pooler pgbouncer, shared by every replica
 SERVING_WAIT_S = 30.0  # a worker that stores no reply this long after a restart is not serving again
 FAILURES = ("openai_cut_streams", "openai_lost", "openai_stuck", "openai_stream_differs", "workers_not_serving")
 IDEMPOTENCY_FAILURES = ("generations_no_client_received", "duplicate_messages")
@@ -95,7 +94,7 @@ def database(args: argparse.Namespace) -> Iterator[tuple[str, RestartablePostgre
             stack.callback(pg.stop)
             url = pg.url
         if args.pooler == "pgbouncer":
-            url = stack.enter_context(services.pgbouncer_service(url, server_connections=POOLED_SERVER_CONNECTIONS))
+            url = stack.enter_context(services.pgbouncer_service(url))  # 16 server connections for every replica
         yield url, pg
 
 

@@ -292,11 +292,12 @@ def postgres_service() -> Iterator[str]:
 
 
 @contextmanager
-def pgbouncer_service(postgres_url: str, *, server_connections: int = 2) -> Iterator[str]:
+def pgbouncer_service(postgres_url: str, *, server_connections: int = 16) -> Iterator[str]:
     """A private PgBouncer in transaction pooling mode on a free port, in front of a fresh database of the
-    cluster of ``postgres_url``; yields the URL through it. Its few server connections
-    (``server_connections``) are shared by every client connection, one transaction at a time, as in
-    production. ServiceUnavailable where pgbouncer is not installed."""
+    cluster of ``postgres_url``; yields the URL through it. Its ``server_connections`` are shared by every
+    client connection, one transaction at a time, as in production (the benchmarks take the default; the
+    pooler tests take 2, so that clients share them all the time). ServiceUnavailable where pgbouncer is
+    not installed."""
     binary = shutil.which("pgbouncer") or next(iter(glob.glob("/usr/sbin/pgbouncer")), None)
     if binary is None:
         raise ServiceUnavailable("pgbouncer is not installed (apt-get install pgbouncer)")

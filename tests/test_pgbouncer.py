@@ -42,7 +42,7 @@ pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 @pytest.fixture
 def pooled_url(postgres_url: str) -> Iterator[str]:
     with ExitStack() as stack:
-        yield _enter_or_skip(stack, services.pgbouncer_service(postgres_url))
+        yield _enter_or_skip(stack, services.pgbouncer_service(postgres_url, server_connections=2))
 
 
 def _db_upgrade(url: str, log: Path, **env: str) -> int:
@@ -196,7 +196,7 @@ def test_a_postgres_restart_behind_the_pooler_is_503_then_served(tmp_path: Path)
         pytest.skip(str(exc))
     with ExitStack() as stack:
         stack.callback(pg.stop)
-        pooled = _enter_or_skip(stack, services.pgbouncer_service(pg.url))
+        pooled = _enter_or_skip(stack, services.pgbouncer_service(pg.url, server_connections=2))
         migrate.upgrade(pooled, pooler="transaction")
         settings = ServerSettings(data_dir=tmp_path, port=free_port(), database_url=pooled, db_pooler="transaction")
         server = ServerThread(settings).start()

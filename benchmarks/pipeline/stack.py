@@ -156,9 +156,6 @@ def _issue_keys() -> tuple[str, str]:
     return str(worker_key), str(user_key)
 
 
-POOLED_SERVER_CONNECTIONS = 16  # PgBouncer's server connections in the pgbouncer arm
-
-
 @contextlib.contextmanager
 def postgres_and_redis(pooler: bool = False) -> Iterator[dict[str, str]]:
     """A fresh PostgreSQL database (dropped afterwards) and a Redis database of its own; ``pooler``: the
@@ -169,7 +166,7 @@ def postgres_and_redis(pooler: bool = False) -> Iterator[dict[str, str]]:
         pg = stack.enter_context(services.postgres_service())
         rd = stack.enter_context(services.redis_service())
         if pooler:
-            pg = stack.enter_context(services.pgbouncer_service(pg, server_connections=POOLED_SERVER_CONNECTIONS))
+            pg = stack.enter_context(services.pgbouncer_service(pg))  # 16 server connections
         yield {
             "TOKENTRAIL_DATABASE_URL": pg,
             "TOKENTRAIL_REDIS_URL": rd,

@@ -172,13 +172,13 @@ def fake_hello(model: str, *, engine: str = "none", capacity: int = 1, vocab_siz
 
 @contextlib.contextmanager
 def hf_stack(
-    data_dir: Path, model_dir: str | Path, model: str = MODEL, max_batch_size: int = 16
+    data_dir: Path, model_dir: str | Path, model: str = MODEL, max_batch_size: int = 16, **settings_: Any
 ) -> Iterator[tuple[str, ServerSettings]]:
-    """A server on embedded defaults (thread) with one hf worker (thread) offering ``model_dir`` as
-    ``model``; yields the server URL and its settings."""
+    """A server (thread; embedded defaults unless ``settings_`` say otherwise) with one hf worker
+    (thread) offering ``model_dir`` as ``model``; yields the server URL and its settings."""
     from worker.engines.hf import HFEngine
 
-    settings = ServerSettings(data_dir=data_dir, port=free_port())
+    settings = ServerSettings(data_dir=data_dir, port=free_port(), **settings_)
     server = ServerThread(settings).start()
     fmt = ChatFormat.load(str(model_dir))
     engine = lambda: HFEngine(str(model_dir), max_batch_size=max_batch_size)  # noqa: E731

@@ -29,12 +29,10 @@ from server.settings import ServerSettings
 from tests import services
 from tests.conftest import _enter_or_skip
 from tests.services import RestartablePostgres
-from tests.stack import MODEL, ServerThread, WorkerThread, start_reply, wait_for, worker_key
+from tests.stack import MODEL, ServerThread, hf_stack, start_reply, wait_for, worker_key
 from tests.test_limits import MODEL as IDLE_MODEL
 from tests.test_limits import IdleWorker
 from tokentrail.launcher import free_port, spawn
-from worker.chat_format import ChatFormat
-from worker.engines.hf import HFEngine
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
@@ -118,28 +116,24 @@ def _prepared_per_server_connection(url: str, connections: int = 2) -> list[int]
 def test_chats_and_exports_through_a_transaction_pooler(
     pooled_url: str, postgres_url: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    settings = ServerSettings(data_dir=tmp_path, port=free_port(), database_url=pooled_url, db_pooler="transaction")
     migrate.upgrade(pooled_url, pooler="transaction")
-    server = ServerThread(settings).start()
-    fmt = ChatFormat.load(str(tiny_model_dir))
-    worker = WorkerThread(
-        server.url, worker_key(settings), MODEL, fmt, lambda: HFEngine(str(tiny_model_dir), max_batch_size=8)
-    )
-    try:
-        worker.start()
+    with hf_stack(tmp_path, tiny_model_dir, max_batch_size=8, database_url=pooled_url, db_pooler="transaction") as (
+        url,
+        settings,
+    ):
         user = {"Authorization": f"Bearer {issue_user_key(settings, 'player')}"}
         admin = {"Authorization": f"Bearer {issue_user_key(settings, 'trainer', admin=True)}"}
         loops, turns = 12, 3
         with ThreadPoolExecutor(8) as pool:
-            replies = [pool.submit(start_reply, server.url, user, MODEL, 6) for _ in range(4)]
-            agents = list(pool.map(lambda i: _agent_loop(server.url, user, i, turns), range(loops)))
+            replies = [pool.submit(start_reply, url, user, MODEL, 6) for _ in range(4)]
+            agents = list(pool.map(lambda i: _agent_loop(url, user, i, turns), range(loops)))
             oa = [f.result() for f in replies]
         for bodies in agents:
             assert [b["choices"][0]["finish_reason"] in ("stop", "length") for b in bodies] == [True] * turns
             assert all(b["choices"][0]["logprobs"]["content"] for b in bodies)
 
         def finished() -> bool:
-            states = [httpx.get(f"{server.url}/chats/{c}/messages/{m}", headers=user).json()["state"] for c, m in oa]
+            states = [httpx.get(f"{url}/chats/{c}/messages/{m}", headers=user).json()["state"] for c, m in oa]
             return states == ["complete"] * len(oa)
 
         wait_for(finished, 120, "the Open-Assistant replies")
@@ -152,7 +146,7 @@ def test_chats_and_exports_through_a_transaction_pooler(
         # PostgreSQL: the same rollouts, byte for byte
         direct = make_url(pooled_url).set(port=make_url(postgres_url).port).render_as_string(hide_password=False)
         exports: dict[str, bytes] = {}
-        for name, url, pooler, workers in (
+        for name, db_url, pooler, workers in (
             ("pooled", pooled_url, "transaction", 2),
             ("pooled-1", pooled_url, "transaction", 1),
             ("direct", direct, "none", 2),
@@ -160,7 +154,7 @@ def test_chats_and_exports_through_a_transaction_pooler(
             out = tmp_path / f"{name}.jsonl"
             asyncio.run(
                 run_export(
-                    settings.model_copy(update={"database_url": url, "db_pooler": pooler}),
+                    settings.model_copy(update={"database_url": db_url, "db_pooler": pooler}),
                     out,
                     fmt="jsonl",
                     schema="tokentrail",
@@ -178,12 +172,9 @@ def test_chats_and_exports_through_a_transaction_pooler(
         parquet = tmp_path / "pooled.parquet"
         asyncio.run(run_export(settings, parquet, fmt="parquet", schema="tokentrail", progress=False, workers=2))
         assert pq.read_table(parquet).num_rows == chats
-        streamed = httpx.get(f"{server.url}/admin/export", headers=admin, timeout=60)
+        streamed = httpx.get(f"{url}/admin/export", headers=admin, timeout=60)
         assert streamed.status_code == 200, streamed.text
         assert len(streamed.text.splitlines()) == chats
-    finally:
-        worker.stop()
-        server.stop()
 
 
 def test_a_postgres_restart_behind_the_pooler_is_503_then_served(tmp_path: Path) -> None:
